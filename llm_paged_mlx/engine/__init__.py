@@ -1,0 +1,1 @@
+"""The paged engine: blocks, scheduler, runner, and the loop that ties them."""

@@ -1,0 +1,236 @@
+"""The engine: requests in, tokens out, one scheduled step at a time."""
+
+import itertools
+from typing import Iterator, Optional, Sequence, Union
+
+import mlx.core as mx
+
+from .. import plugins
+from ..kernels import select_kernel
+from ..models.paged_cache import check_model
+from .block_manager import BlockManager
+from .output import OutputText, RequestOutput, StreamChunk
+from .request import Request, SamplingParams, Status
+from .runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+
+Prompt = Union[str, Sequence[int]]
+DEFAULT_KV_BUDGET = 2 * 1024**3
+
+
+class Engine:
+    """A paged-KV engine over an unmodified mlx-lm model.
+
+    The KV pool has ``num_blocks`` blocks of ``block_size`` tokens, or as many
+    as fit in ``kv_budget_bytes`` (2 GiB when neither is given).
+    ``tokenizer=None`` means prompts are token ids and outputs carry no text.
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        block_size: int = 16,
+        num_blocks: Optional[int] = None,
+        kv_budget_bytes: Optional[int] = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        scheduler: str = "fcfs",
+        attention_kernel: str = "auto",
+        enable_prefix_caching: bool = True,
+        swap_policy: str = "recompute",
+    ):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
+        self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
+        self.kernel = select_kernel(attention_kernel)
+        layouts = check_model(model)
+        block_bytes = block_size * sum(layout.bytes_per_token for layout in layouts)
+        if num_blocks is None:
+            num_blocks = (kv_budget_bytes or DEFAULT_KV_BUDGET) // block_bytes
+        if num_blocks < 2:
+            raise ValueError(f"a KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel)
+        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens)
+        self.max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+        self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.requests: dict[int, Request] = {}
+        self.texts: dict[int, OutputText] = {}
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
+        """Load a local folder or Hugging Face repo with ``models.loading.load_model``."""
+        from ..models.loading import load_model
+
+        model, tokenizer = load_model(path_or_repo)
+        return cls(model, tokenizer, **options)
+
+    # -- requests ---------------------------------------------------------------
+
+    def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> int:
+        """Queue a prompt; returns its request id. Raises ValueError on bad input."""
+        params = params or SamplingParams()
+        token_ids = self._encode(prompt)
+        capacity = self.blocks.num_usable_blocks * self.blocks.block_size
+        limit = min(capacity, self.max_context or capacity)
+        if len(token_ids) >= limit:
+            where = "the model's context" if limit != capacity else "the whole KV pool"
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit {where} ({limit} tokens)")
+        request = Request(next(self._ids), token_ids, params, max_total_tokens=limit)
+        self.requests[request.request_id] = request
+        if self.tokenizer is not None:
+            self.texts[request.request_id] = OutputText(self.tokenizer, params.stop)
+        self.scheduler.add(request)
+        return request.request_id
+
+    def abort(self, request_id: int) -> Optional[StreamChunk]:
+        """Stop a request and free its blocks; returns its last chunk, or None if unknown."""
+        request = self.requests.get(request_id)
+        if request is None:
+            return None
+        return self._finish(request, "abort", [])
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- the step -------------------------------------------------------------
+
+    def step(self) -> list[StreamChunk]:
+        """Run one scheduled forward pass; returns what each sampled request gained."""
+        plan = self.scheduler.schedule()
+        for request, old_blocks in plan.preempted:
+            kept = old_blocks[: -(-request.num_computed // self.blocks.block_size)]
+            request.swap_handle = self.swap.swap_out(kept, self.runner)
+            if request.swap_handle is None:
+                request.num_computed = 0
+        for request in plan.swapped_in:
+            table = self.blocks.block_table(request.request_id)
+            self.swap.swap_in(request.swap_handle, table[: -(-request.num_computed // self.blocks.block_size)], self.runner)
+            request.swap_handle = None
+        copies = self.blocks.take_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
+        if not plan.chunks:
+            return []
+        tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in plan.chunks}
+        logits = self.runner.forward(plan.chunks, tables)
+        sampled = [c.request for c in plan.chunks if c.completes]
+        tokens = sample(logits, sampled)
+        self.runner.finish(tokens)
+        for chunk in plan.chunks:
+            chunk.request.num_computed += chunk.num_tokens
+            self.blocks.cache_full_blocks(chunk.request.request_id, chunk.request.token_ids)
+        return [self._append(request, token) for request, token in zip(sampled, tokens.tolist())]
+
+    def _append(self, request: Request, token: int) -> StreamChunk:
+        p = request.params
+        stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
+        if token in stops:
+            return self._finish(request, "stop", [])
+        request.output_token_ids.append(token)
+        text = self.texts.get(request.request_id)
+        if text is not None and text.add(token):
+            return self._finish(request, "stop", [token])
+        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= request.max_total_tokens:
+            return self._finish(request, "length", [token])
+        return StreamChunk(request.request_id, [token], text.take(final=False) if text else None)
+
+    def _finish(self, request: Request, reason: str, new_tokens: list[int]) -> StreamChunk:
+        request.status, request.finish_reason = Status.FINISHED, reason
+        self.scheduler.remove(request)
+        del self.requests[request.request_id]
+        text = self.texts.pop(request.request_id, None)
+        if text is not None:
+            text.finish()
+        new_text = text.take(final=True) if text else None
+        return StreamChunk(request.request_id, new_tokens, new_text, reason, request.num_cached_tokens)
+
+    # -- conveniences ---------------------------------------------------------
+
+    def generate(
+        self, prompts: Sequence[Prompt], params: Union[SamplingParams, Sequence[SamplingParams], None] = None
+    ) -> list[RequestOutput]:
+        """Run the prompts to completion, together with whatever else is queued."""
+        if params is None or isinstance(params, SamplingParams):
+            params = [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        for prompt in prompts:
+            self._encode(prompt)  # reject bad input before anything is queued
+        outputs = {}
+        for prompt, p in zip(prompts, params):
+            rid = self.add_request(prompt, p)
+            outputs[rid] = RequestOutput(rid, self.requests[rid].prompt_token_ids, text="" if self.tokenizer else None)
+        pending = set(outputs)
+        try:
+            while pending:
+                for chunk in self.step():
+                    if chunk.request_id in outputs:
+                        self._fold(outputs[chunk.request_id], chunk)
+                        if chunk.finish_reason:
+                            pending.discard(chunk.request_id)
+        finally:
+            for rid in pending:
+                self.abort(rid)
+        return list(outputs.values())
+
+    def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
+        """Yield a request's chunks as they come; closing the iterator aborts the request."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for chunk in self.step():
+                    if chunk.request_id == rid:
+                        yield chunk
+                        if chunk.finish_reason:
+                            return
+        finally:
+            self.abort(rid)
+
+    def stats(self) -> dict:
+        used = self.blocks.num_usable_blocks - self.blocks.num_free_blocks
+        return {
+            "num_blocks": self.blocks.num_usable_blocks,
+            "block_size": self.blocks.block_size,
+            "free_blocks": self.blocks.num_free_blocks,
+            "used_blocks": used,
+            "cached_blocks": len(self.blocks.cached),
+            "kv_cache_bytes": self.runner.kv_bytes,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "attention_kernel": self.kernel.name,
+        }
+
+    # -- helpers --------------------------------------------------------------
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
+            bos = getattr(self.tokenizer, "bos_token", None)
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+        else:
+            token_ids = [int(t) for t in prompt]
+        if not token_ids:
+            raise ValueError("empty prompt")
+        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        if vocab and not all(0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
+        return token_ids
+
+    @staticmethod
+    def _fold(output: RequestOutput, chunk: StreamChunk) -> None:
+        output.token_ids += chunk.token_ids
+        if chunk.text is not None:
+            output.text += chunk.text
+        output.finish_reason = chunk.finish_reason
+        output.num_cached_tokens = chunk.num_cached_tokens

@@ -1,0 +1,66 @@
+"""What the engine hands back: stream chunks, finished outputs, and the text of each request."""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class StreamChunk:
+    """What one step added to a request: new token ids and new text."""
+
+    request_id: int
+    token_ids: list[int]
+    text: Optional[str]
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" once finished
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when finished)
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: Optional[str] = None
+    finish_reason: Optional[str] = None
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
+class OutputText:
+    """A request's text, detokenized as tokens arrive, cut at the first stop string.
+
+    Text that could still turn into a stop string is held back from ``take``.
+    """
+
+    def __init__(self, tokenizer, stop: Optional[list[str]]):
+        self.detokenizer = tokenizer.detokenizer
+        self.stop = stop or []
+        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.taken = 0
+        self.stopped = False
+
+    def add(self, token: int) -> bool:
+        """Add a token; True if the text now reaches a stop string (the text is cut there)."""
+        self.detokenizer.add_token(token)
+        return self._extend(self.detokenizer.last_segment)
+
+    def finish(self) -> None:
+        if self.stopped:
+            return
+        self.detokenizer.finalize()
+        self._extend(self.detokenizer.last_segment)
+
+    def take(self, final: bool) -> str:
+        """The text not returned before (all of it when ``final``)."""
+        end = len(self.text) if final else max(self.taken, len(self.text) - self.holdback)
+        new, self.taken = self.text[self.taken : end], end
+        return new
+
+    def _extend(self, segment: str) -> bool:
+        start = max(0, len(self.text) - self.holdback)
+        self.text += segment
+        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
+        if hits:
+            self.text = self.text[: min(hits)]
+            self.stopped = True
+        return bool(hits)

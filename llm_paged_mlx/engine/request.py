@@ -1,0 +1,80 @@
+"""A request: its sampling parameters, its tokens and where it stands."""
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+_arrivals = itertools.count()
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to sample one request. Temperature 0 is greedy; a smaller ``priority`` is served first."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: Optional[list[str]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    priority: int = 0
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", [self.stop])
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.stop and any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """One prompt being served. ``num_computed`` tokens have their K/V in blocks."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_total_tokens: int  # the context limit: prompt + output never exceed it
+    arrival: int = field(default_factory=lambda: next(_arrivals))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    status: Status = Status.WAITING
+    finish_reason: Optional[str] = None
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V still has to be computed."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

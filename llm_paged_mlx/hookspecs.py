@@ -1,0 +1,25 @@
+"""Hook specifications: how plugins add schedulers, swap policies and attention kernels.
+
+Each hook receives a ``register(name, factory)`` callable. ``factory()`` must
+return a new object with the interface described by the hook.
+"""
+
+import pluggy
+
+hookspec = pluggy.HookspecMarker("llm_paged_mlx")
+hookimpl = pluggy.HookimplMarker("llm_paged_mlx")
+
+
+@hookspec
+def register_schedulers(register):
+    """Register scheduling policies (see ``engine.scheduler.SchedulingPolicy``)."""
+
+
+@hookspec
+def register_swap_policies(register):
+    """Register what happens to a preempted request's KV (see ``engine.swap.SwapPolicy``)."""
+
+
+@hookspec
+def register_attention_kernels(register):
+    """Register paged attention kernels (see ``kernels.AttentionKernel``)."""

@@ -1,0 +1,43 @@
+"""Paged attention kernels, chosen by name from the plugin registry.
+
+A kernel is an object with:
+
+- ``name``: the name it is registered under;
+- ``auto_priority``: an int; ``"auto"`` picks the available kernel with the highest;
+- ``is_available()``: whether it can run on the current default device;
+- ``__call__(queries, k_pool, v_pool, plan, scale)``: ``queries`` is
+  ``(T, Hq, 1, D)``, one row per scheduled token (see ``plan.AttentionPlan``);
+  the pools are ``(num_blocks, Hkv, block_size, D)``; returns ``(T, Hq, 1, Dv)``.
+"""
+
+from typing import Protocol
+
+import mlx.core as mx
+
+from .. import plugins
+from .plan import AttentionPlan, PrefillChunk
+
+
+class AttentionKernel(Protocol):
+    name: str
+    auto_priority: int
+
+    def is_available(self) -> bool: ...
+
+    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float) -> mx.array: ...
+
+
+def select_kernel(name: str = "auto") -> AttentionKernel:
+    """The kernel registered as ``name``, or for ``"auto"`` the best available one."""
+    registry = plugins.attention_kernels()
+    if name != "auto":
+        kernel = plugins.lookup("attention kernel", registry, name)()
+        if not kernel.is_available():
+            raise ValueError(f"attention kernel {name!r} cannot run on {mx.default_device()}")
+        return kernel
+    kernels = [factory() for factory in registry.values()]
+    available = [k for k in kernels if k.is_available()]
+    return max(available, key=lambda k: k.auto_priority)
+
+
+__all__ = ["AttentionKernel", "AttentionPlan", "PrefillChunk", "select_kernel"]

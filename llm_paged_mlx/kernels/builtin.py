@@ -1,0 +1,9 @@
+"""Registers the kernels that ship with the package."""
+
+from ..hookspecs import hookimpl
+from .portable import PortableKernel
+
+
+@hookimpl
+def register_attention_kernels(register):
+    register("portable", PortableKernel)

@@ -1,0 +1,79 @@
+"""The attention plan: what one engine step tells the attention kernels.
+
+A step packs every scheduled token into its own row of the model's batch, so
+the model sees inputs of shape ``(T, 1)``: the tokens of all decoding
+sequences first, then each prefill chunk as a run of consecutive rows. Every
+row is one query at its own position; a kernel may serve all rows as
+single-token queries (``row_block_tables``/``row_context_lens``) or treat a
+prefill chunk as one causal block (``prefills``).
+
+K/V pools have shape ``(num_blocks, num_kv_heads, block_size, head_dim)``;
+block 0 is the null block that pads block tables.
+"""
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Several new tokens of one sequence, in consecutive rows."""
+
+    row_start: int
+    num_tokens: int
+    context_len: int  # tokens the chunk's last query sees (cached + new)
+    block_table: mx.array  # (ceil(context_len / block_size),) int32
+
+
+@dataclass
+class AttentionPlan:
+    block_size: int
+    positions: mx.array  # (T,) int32: each row's token position, the RoPE offset
+    slots: mx.array  # (T,) int32: block_id * block_size + offset, where each row's K/V goes
+    num_decode: int  # rows [0, num_decode) are single-token queries
+    decode_block_tables: mx.array  # (num_decode, max_blocks) int32, padded with 0
+    decode_context_lens: mx.array  # (num_decode,) int32
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_rows(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def max_context_len(self) -> int:
+        lens = [c.context_len for c in self.prefills]
+        if self.num_decode:
+            lens.append(self.decode_block_tables.shape[1] * self.block_size)
+        return max(lens, default=0)
+
+    def write_indices(self, num_kv_heads: int) -> mx.array:
+        """(T, num_kv_heads) rows of the flat pool ``(num_blocks*H*block_size, D)``."""
+        key = ("write", num_kv_heads)
+        if key not in self._cache:
+            block, offset = self.slots // self.block_size, self.slots % self.block_size
+            heads = mx.arange(num_kv_heads, dtype=mx.int32)
+            idx = (block[:, None] * num_kv_heads + heads[None]) * self.block_size
+            self._cache[key] = idx + offset[:, None]
+        return self._cache[key]
+
+    def row_tables(self) -> tuple[mx.array, mx.array]:
+        """Every row as a single query: ``(T, max_blocks)`` block tables and ``(T,)`` context lengths."""
+        if "rows" not in self._cache:
+            width = max(1, -(-self.max_context_len // self.block_size))
+            tables, lens = [], []
+            if self.num_decode:
+                pad = width - self.decode_block_tables.shape[1]
+                tables.append(mx.pad(self.decode_block_tables, [(0, 0), (0, pad)]))
+                lens.append(self.decode_context_lens)
+            for chunk in self.prefills:
+                row = mx.pad(chunk.block_table, [(0, width - chunk.block_table.shape[0])])
+                tables.append(mx.broadcast_to(row[None], (chunk.num_tokens, width)))
+                first = chunk.context_len - chunk.num_tokens + 1
+                lens.append(mx.arange(first, chunk.context_len + 1, dtype=mx.int32))
+            self._cache["rows"] = (
+                mx.concatenate(tables).astype(mx.int32),
+                mx.concatenate(lens).astype(mx.int32),
+            )
+        return self._cache["rows"]

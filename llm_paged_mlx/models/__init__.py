@@ -1,0 +1,1 @@
+"""Model integration: mlx-lm models over paged KV, loading, GGUF import."""
