@@ -122,12 +122,14 @@ class Engine:
         tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in plan.chunks}
         logits = self.runner.forward(plan.chunks, tables)
         sampled = [c.request for c in plan.chunks if c.completes]
-        tokens = sample(logits, sampled)
-        self.runner.finish(tokens)
+        tokens = [sample(logits, sampled)] if sampled else []
+        self.runner.finish(*tokens)
         for chunk in plan.chunks:
             chunk.request.num_computed += chunk.num_tokens
             self.blocks.cache_full_blocks(chunk.request.request_id, chunk.request.token_ids)
-        return [self._append(request, token) for request, token in zip(sampled, tokens.tolist())]
+        if not sampled:
+            return []
+        return [self._append(request, token) for request, token in zip(sampled, tokens[0].tolist())]
 
     def _append(self, request: Request, token: int) -> StreamChunk:
         p = request.params

@@ -1,0 +1,215 @@
+"""The engine against mlx-lm on tiny random-weight models: exact greedy tokens, batching, preemption, errors."""
+
+import random
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import generate_step
+from models import ARCHS, tiny_model
+
+from llm_paged_mlx import Engine, SamplingParams
+
+PROMPT_LENGTHS = [1, 2, 15, 16, 17, 33, 100, 250, 600, 640]
+
+
+def reference(model, prompt, max_tokens, stop_token_ids=()):
+    """mlx-lm's greedy continuation (generate_step is what stream_generate runs)."""
+    tokens = []
+    for token, _ in generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1)):
+        if int(token) in stop_token_ids:
+            break
+        tokens.append(int(token))
+    return tokens
+
+
+def random_prompts(lengths, seed=1, vocab=256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(n)] for n in lengths]
+
+
+def run_staggered(engine, prompts, params, first=5, steps_between=3):
+    """Add ``first`` prompts, run a few steps, then add the rest while those decode."""
+    ids = [engine.add_request(p, params) for p in prompts[:first]]
+    outputs = {}
+    for _ in range(steps_between):
+        collect(engine.step(), outputs)
+    ids += [engine.add_request(p, params) for p in prompts[first:]]
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    return [outputs[i] for i in ids]
+
+
+def collect(chunks, outputs):
+    for chunk in chunks:
+        outputs.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_match_mlx_lm_under_preemption(arch):
+    model = tiny_model(arch)
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine = Engine(model, block_size=16, num_blocks=56, max_num_batched_tokens=128)
+    got = run_staggered(engine, prompts, SamplingParams(max_tokens=24))
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference(model, prompt, 24), f"prompt of {len(prompt)} tokens"
+    stats = engine.stats()
+    assert stats["preemptions"] > 0
+    assert stats["free_blocks"] == stats["num_blocks"] == 55
+
+
+def test_cpu_swap_policy_gives_the_same_tokens():
+    model = tiny_model("qwen3")
+    prompts = random_prompts([40, 300, 120, 7, 64, 200])
+    engine = Engine(model, num_blocks=30, max_num_batched_tokens=64, swap_policy="cpu")
+    outs = engine.generate(prompts, SamplingParams(max_tokens=20))
+    assert engine.stats()["preemptions"] > 0
+    for prompt, out in zip(prompts, outs):
+        assert out.token_ids == reference(model, prompt, 20)
+    assert engine.stats()["free_blocks"] == 29
+
+
+def test_prefix_cache_on_and_off_give_the_same_tokens():
+    model = tiny_model("llama")
+    shared = random_prompts([70], seed=3)[0]
+    prompts = [shared + tail for tail in random_prompts([5, 9, 1], seed=4)]
+    expected = [reference(model, p, 12) for p in prompts]
+    for caching in (True, False):
+        engine = Engine(model, num_blocks=64, enable_prefix_caching=caching)
+        first = engine.generate(prompts[:1], SamplingParams(max_tokens=12))
+        rest = engine.generate(prompts[1:], SamplingParams(max_tokens=12))
+        assert [o.token_ids for o in first + rest] == expected
+        hits = engine.stats()["prefix_cache_hit_tokens"]
+        assert hits == (2 * 64 if caching else 0)  # four full shared blocks of the 70 shared tokens, twice
+        if caching:
+            assert [o.num_cached_tokens for o in rest] == [64, 64]
+
+
+def test_repeated_prompt_reuses_all_but_the_last_token():
+    model = tiny_model("qwen2")
+    prompt = random_prompts([48])[0]  # exactly three blocks
+    engine = Engine(model, num_blocks=32)
+    a = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    b = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert a.token_ids == b.token_ids == reference(model, prompt, 8)
+    assert b.num_cached_tokens == 32  # the last block is recomputed to get logits
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch():
+    model = tiny_model("qwen3")
+    prompt = random_prompts([20])[0]
+    params = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.9, top_k=50, seed=1234)
+    alone = Engine(model, num_blocks=64).generate([prompt], params)[0].token_ids
+    others = random_prompts([5, 50, 90], seed=9)
+    batch = Engine(model, num_blocks=64).generate(
+        others + [prompt] + others,
+        [SamplingParams(max_tokens=16, temperature=1.0)] * 3 + [params] + [SamplingParams(max_tokens=16)] * 3,
+    )
+    assert batch[3].token_ids == alone
+    unseeded = Engine(model, num_blocks=64).generate([prompt] * 3, SamplingParams(max_tokens=16, temperature=1.0))
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1
+
+
+def test_stop_token_ids_and_length():
+    model = tiny_model("qwen3")
+    prompt = random_prompts([30])[0]
+    full = reference(model, prompt, 12)
+    stop = full[5]
+    engine = Engine(model, num_blocks=32)
+    out = engine.generate([prompt], SamplingParams(max_tokens=12, stop_token_ids=[stop]))[0]
+    assert out.token_ids == full[: full.index(stop)]
+    assert out.finish_reason == "stop"
+    out = engine.generate([prompt], SamplingParams(max_tokens=12))[0]
+    assert out.token_ids == full and out.finish_reason == "length"
+
+
+def test_generation_stops_at_the_model_context():
+    model = tiny_model("llama", max_position_embeddings=64)
+    engine = Engine(model, num_blocks=32)
+    out = engine.generate(random_prompts([60]), SamplingParams(max_tokens=20))[0]
+    assert len(out.token_ids) == 4 and out.finish_reason == "length"
+
+
+def test_stream_matches_generate_and_close_aborts():
+    model = tiny_model("llama")
+    prompt = random_prompts([25])[0]
+    engine = Engine(model, num_blocks=32)
+    chunks = list(engine.stream(prompt, SamplingParams(max_tokens=10)))
+    assert [t for c in chunks for t in c.token_ids] == reference(model, prompt, 10)
+    assert chunks[-1].finish_reason == "length"
+    stream = engine.stream(prompt, SamplingParams(max_tokens=100))
+    next(stream)
+    stream.close()
+    assert not engine.has_unfinished()
+    assert engine.stats()["free_blocks"] == 31
+
+
+def test_abort_frees_blocks_and_others_continue():
+    model = tiny_model("qwen2")
+    prompts = random_prompts([40, 70])
+    engine = Engine(model, num_blocks=32)
+    keep = engine.add_request(prompts[0], SamplingParams(max_tokens=10))
+    drop = engine.add_request(prompts[1], SamplingParams(max_tokens=10))
+    outputs = {}
+    collect(engine.step(), outputs)
+    last = engine.abort(drop)
+    assert last.finish_reason == "abort"
+    assert engine.abort(drop) is None
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert outputs[keep] == reference(model, prompts[0], 10)
+    assert engine.stats()["free_blocks"] == 31
+
+
+def test_bad_input_is_rejected_and_nothing_is_lost():
+    model = tiny_model("qwen3", max_position_embeddings=512)
+    engine = Engine(model, num_blocks=20)  # 19 usable blocks: 304 tokens
+    good = random_prompts([30])[0]
+    rid = engine.add_request(good, SamplingParams(max_tokens=12))
+    outputs = {}
+    collect(engine.step(), outputs)
+    with pytest.raises(ValueError, match="empty prompt"):
+        engine.add_request([])
+    with pytest.raises(ValueError, match="whole KV pool"):
+        engine.add_request(random_prompts([400])[0])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.add_request([5, 999])
+    with pytest.raises(ValueError, match="text prompt needs a tokenizer"):
+        engine.add_request("hello")
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=-3)
+    with pytest.raises(ValueError, match="2 prompts but 1 sampling params"):
+        engine.generate([good, good], [SamplingParams()])
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert outputs[rid] == reference(model, good, 12)
+    assert engine.stats()["free_blocks"] == 19
+    small = Engine(tiny_model("qwen3", max_position_embeddings=64), num_blocks=20)
+    with pytest.raises(ValueError, match="model's context"):
+        small.add_request(random_prompts([64])[0])
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("scheduler", "nope", "unknown scheduler 'nope'"),
+        ("attention_kernel", "nope", "unknown attention kernel 'nope'"),
+        ("swap_policy", "nope", "unknown swap policy 'nope'"),
+        ("kv_budget_bytes", 10, "fewer than 2 blocks"),
+    ],
+)
+def test_bad_engine_options(option, value, message):
+    with pytest.raises(ValueError, match=message):
+        Engine(tiny_model("llama"), **{option: value})
+
+
+def test_unsupported_models_are_refused():
+    from mlx_lm.models import gemma3_text
+
+    args = gemma3_text.ModelArgs(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=8,
+    )
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        Engine(gemma3_text.Model(args))
