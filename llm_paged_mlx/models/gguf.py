@@ -72,11 +72,9 @@ def convert_gguf(gguf_path, out_dir, *, dtype=None) -> Path:
 
     metadata, tensor_types = read_gguf_header(gguf_path)
     config = _model_config(gguf_path, metadata)
-    _check_tensor_types(gguf_path, tensor_types)
+    _check_tensors(gguf_path, tensor_types)
     tokenizer, tokenizer_config = _build_tokenizer(gguf_path, metadata)
-    weights, quantization = _convert_tensors(
-        gguf_path, tensor_types, _DTYPES.get(dtype) if dtype else None
-    )
+    weights, quantization = _convert_tensors(gguf_path, tensor_types, _DTYPES.get(dtype))
     config["vocab_size"] = weights["model.embed_tokens.weight"].shape[0]
     config["tie_word_embeddings"] = "lm_head.weight" not in weights
     if quantization:
@@ -113,12 +111,12 @@ def read_gguf_header(path) -> tuple[dict, dict[str, str]]:
             raise ValueError(f"{path}: GGUF version {version} is not supported (only 2 and 3)")
         try:
             return _parse_header(_Cursor(buf, pos=8))
-        except (struct.error, KeyError, UnicodeDecodeError, EOFError) as e:
-            raise ValueError(f"{path} is a corrupt or truncated GGUF file ({e!r})") from e
+        except (ValueError, struct.error) as e:  # UnicodeDecodeError is a ValueError
+            raise ValueError(f"{path} is a corrupt or truncated GGUF file: {e}") from e
 
 
 class _Cursor:
-    """Reads little-endian GGUF values from a buffer, raising EOFError past its end."""
+    """Reads little-endian GGUF values from a buffer, raising ValueError past its end."""
 
     def __init__(self, buf, pos: int):
         self.buf, self.pos = buf, pos
@@ -126,16 +124,14 @@ class _Cursor:
     def take(self, fmt: str, count: int = 1) -> tuple:
         fmt = "<" + (fmt if count == 1 else f"{count}{fmt}")
         size = struct.calcsize(fmt)
-        if self.pos + size > len(self.buf):
-            raise EOFError(f"header ends early at byte {len(self.buf)}")
+        self._check_room(size)
         values = struct.unpack_from(fmt, self.buf, self.pos)
         self.pos += size
         return values
 
     def string(self) -> str:
         (length,) = self.take("Q")
-        if self.pos + length > len(self.buf):
-            raise EOFError(f"header ends early at byte {len(self.buf)}")
+        self._check_room(length)
         self.pos += length
         return self.buf[self.pos - length:self.pos].decode("utf-8")
 
@@ -146,8 +142,18 @@ class _Cursor:
             item_type, count = self.take("IQ")
             if item_type == _STRING:
                 return [self.string() for _ in range(count)]
-            return list(self.take(_SCALAR_FORMATS[item_type], count))
-        return self.take(_SCALAR_FORMATS[value_type])[0]
+            return list(self.take(self._format(item_type), count))
+        return self.take(self._format(value_type))[0]
+
+    def _check_room(self, size: int) -> None:
+        if self.pos + size > len(self.buf):
+            raise ValueError(f"the header runs past the end of the file ({len(self.buf)} bytes)")
+
+    @staticmethod
+    def _format(value_type: int) -> str:
+        if value_type not in _SCALAR_FORMATS:
+            raise ValueError(f"unknown metadata value type {value_type}")
+        return _SCALAR_FORMATS[value_type]
 
 
 def _parse_header(cursor: _Cursor) -> tuple[dict, dict[str, str]]:
@@ -173,12 +179,11 @@ def _model_config(path: Path, metadata: dict) -> dict:
     if arch != "llama":
         raise ValueError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
 
-    def get(key, default=KeyError):
-        if f"llama.{key}" in metadata:
-            return metadata[f"llama.{key}"]
-        if default is KeyError:
+    def get(key, default=None):
+        value = metadata.get(f"llama.{key}", default)
+        if value is None:
             raise ValueError(f"{path}: GGUF metadata has no 'llama.{key}'")
-        return default
+        return value
 
     hidden, heads = get("embedding_length"), get("attention.head_count")
     head_dim = get("attention.key_length", hidden // heads)
@@ -214,42 +219,49 @@ def _tidy(value: float) -> float:
     return float(f"{value:.7g}")
 
 
-def _check_tensor_types(path: Path, tensor_types: dict[str, str]) -> None:
+def _check_tensors(path: Path, tensor_types: dict[str, str]) -> None:
+    """Refuse tensor types and names the conversion does not handle, before loading any data."""
     unsupported = Counter(t for t in tensor_types.values()
                           if t not in _FLOAT_TYPES and t not in _QUANT_BITS)
     if unsupported:
         found = ", ".join(f"{t} ({n} tensors)" for t, n in unsupported.items())
-        raise ValueError(
-            f"{path}: unsupported GGUF tensor types {found}; supported: F32, F16, Q4_0, Q4_1, Q8_0"
-        )
+        raise ValueError(f"{path}: unsupported GGUF tensor types {found}; "
+                         "supported: F32, F16, Q4_0, Q4_1, Q8_0")
+    unknown = [name for name in tensor_types if _mlx_module(name) is None]
+    if unknown:
+        raise ValueError(f"{path}: GGUF tensors {', '.join(map(repr, unknown))} are not "
+                         "supported for llama")
+    if "token_embd.weight" not in tensor_types:
+        raise ValueError(f"{path}: the GGUF file has no token_embd.weight")
 
 
-def _mlx_module(gguf_name: str) -> str:
-    """The mlx-lm llama module of a GGUF tensor: "blk.3.attn_q.weight" -> "model.layers.3.self_attn.q_proj"."""
+def _mlx_module(gguf_name: str) -> str | None:
+    """mlx-lm's module for a GGUF tensor: blk.3.attn_q.weight is model.layers.3.self_attn.q_proj."""
     module, _, suffix = gguf_name.rpartition(".")
+    if suffix != "weight":
+        return None
+    if module in _TOP_MODULES:
+        return _TOP_MODULES[module]
     parts = module.split(".")
-    if suffix == "weight":
-        if module in _TOP_MODULES:
-            return _TOP_MODULES[module]
-        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_MODULES:
-            return f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported for llama")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_MODULES:
+        return f"model.layers.{parts[1]}.{_LAYER_MODULES[parts[2]]}"
+    return None
 
 
 def _convert_tensors(path: Path, tensor_types: dict[str, str], dtype) -> tuple[dict, dict]:
     """Rename the GGUF tensors to mlx-lm names; return them and the `quantization` config."""
-    modules = {name: _mlx_module(name) for name in tensor_types}
     try:
         tensors = mx.load(str(path))
-    except RuntimeError as e:
+    except (RuntimeError, ValueError) as e:
         raise ValueError(f"{path} is a corrupt or truncated GGUF file: {e}") from e
 
     weights, bits = {}, {}
     float_matrices = []
     for name, ggml_type in tensor_types.items():
-        module, prefix = modules[name], name.removesuffix(".weight")
+        module, prefix = _mlx_module(name), name.removesuffix(".weight")
         if ggml_type in _QUANT_BITS:
-            weight, scales, biases = (tensors[f"{prefix}.{p}"] for p in ("weight", "scales", "biases"))
+            weight, scales, biases = (tensors[f"{prefix}.{part}"]
+                                      for part in ("weight", "scales", "biases"))
             if dtype is None:
                 weights.update({f"{module}.weight": weight, f"{module}.scales": scales,
                                 f"{module}.biases": biases})
@@ -273,19 +285,22 @@ def _quantization_config(bits: dict[str, int], float_matrices: list[str]) -> dic
         return {}
     default = Counter(bits.values()).most_common(1)[0][0]
     config = {"group_size": GROUP_SIZE, "bits": default}
-    config.update({m: {"group_size": GROUP_SIZE, "bits": b} for m, b in bits.items() if b != default})
+    config.update({module: {"group_size": GROUP_SIZE, "bits": b}
+                   for module, b in bits.items() if b != default})
     config.update({m: False for m in float_matrices})
     return config
 
 
 def _build_tokenizer(path: Path, metadata: dict) -> tuple[Tokenizer, dict]:
     """A byte-level BPE `tokenizers.Tokenizer` and its tokenizer_config.json from GGUF metadata."""
-    kind, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "default")
-    if kind != "gpt2":
-        raise ValueError(f"{path}: GGUF tokenizer model {kind!r} is not supported (only 'gpt2' BPE)")
+    model, pre = metadata.get("tokenizer.ggml.model"), metadata.get("tokenizer.ggml.pre", "default")
+    tokens = metadata.get("tokenizer.ggml.tokens")
+    if model != "gpt2":
+        raise ValueError(f"{path}: GGUF tokenizer model {model!r} is not supported (only 'gpt2')")
     if pre not in _PRE_TOKENIZERS:
         raise ValueError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported")
-    tokens = metadata["tokenizer.ggml.tokens"]
+    if not tokens:
+        raise ValueError(f"{path}: GGUF metadata has no tokenizer.ggml.tokens")
     token_types = metadata.get("tokenizer.ggml.token_type", [1] * len(tokens))
     merges = [tuple(m.split(" ", 1)) for m in metadata.get("tokenizer.ggml.merges", [])]
 
@@ -295,11 +310,11 @@ def _build_tokenizer(path: Path, metadata: dict) -> tuple[Tokenizer, dict]:
     # Type 3 tokens are control tokens (special), type 4 user-defined (added, not special).
     tokenizer.add_special_tokens(
         [AddedToken(t, special=True, normalized=False)
-         for t, kind in zip(tokens, token_types) if kind == 3]
+         for t, token_type in zip(tokens, token_types) if token_type == 3]
     )
     tokenizer.add_tokens(
         [AddedToken(t, special=False, normalized=False)
-         for t, kind in zip(tokens, token_types) if kind == 4]
+         for t, token_type in zip(tokens, token_types) if token_type == 4]
     )
 
     def token(name):
@@ -314,7 +329,8 @@ def _build_tokenizer(path: Path, metadata: dict) -> tuple[Tokenizer, dict]:
             special_tokens=[(bos, metadata["tokenizer.ggml.bos_token_id"])],
         )
     else:
-        tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False)
+        tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False,
+                                                        trim_offsets=False)
 
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",

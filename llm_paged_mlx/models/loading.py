@@ -33,6 +33,7 @@ def load_model(path_or_repo: str, *, dequantize: str | bool = "auto", dtype="flo
     """
     if dequantize not in ("auto", True, False):
         raise ValueError(f"dequantize must be 'auto', True or False, not {dequantize!r}")
+    dtype = _as_dtype(dtype)
     path = resolve_model_path(path_or_repo)
     try:
         model, tokenizer = mlx_lm.load(str(path))
@@ -47,6 +48,8 @@ def resolve_model_path(path_or_repo: str) -> Path:
     """The local folder of a model: `path_or_repo` itself, or its Hugging Face snapshot."""
     path = Path(path_or_repo).expanduser()
     if path.exists():
+        if not path.is_dir():
+            raise ValueError(f"{path} is a file, not an mlx-lm model folder")
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json, so it is not an mlx-lm model folder")
         return path
@@ -63,15 +66,16 @@ def resolve_model_path(path_or_repo: str) -> Path:
             f"Hugging Face repo {path_or_repo} was not found (or is private or gated)"
         ) from None
     except OSError as e:  # HTTP errors, no network, offline mode without a cached copy
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ModelFetchError(f"Could not download {path_or_repo} from Hugging Face: {reason}") from e
+        lines = str(e).strip().splitlines()
+        reason = lines[0].removeprefix("Got: ") if lines else type(e).__name__
+        raise ModelFetchError(
+            f"Could not download {path_or_repo} from Hugging Face: {reason}"
+        ) from e
 
 
 def dequantize_model(model: nn.Module, dtype="float32") -> nn.Module:
     """Replace every quantized layer of `model` by a float one and cast it all to `dtype`."""
-    dtype = _DTYPES[dtype] if isinstance(dtype, str) else dtype
-    if dtype not in _DTYPES.values():
-        raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype}")
+    dtype = _as_dtype(dtype)
     # Cast scales and biases first so that the weights are dequantized in `dtype`, not in
     # the (often lower) precision of the scales.
     for _, module in model.named_modules():
@@ -82,3 +86,10 @@ def dequantize_model(model: nn.Module, dtype="float32") -> nn.Module:
     _mlx_lm_dequantize(model)
     model.set_dtype(dtype)
     return model
+
+
+def _as_dtype(dtype) -> mx.Dtype:
+    for name, value in _DTYPES.items():
+        if dtype in (name, value):
+            return value
+    raise ValueError(f"dtype must be one of {', '.join(_DTYPES)}, not {dtype!r}")
