@@ -18,13 +18,18 @@ NULL_BLOCK = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
         self.hash: Optional[bytes] = None
         self.token_ids: tuple = ()
+        self.parent: Optional[tuple[int, int]] = None  # (block id, generation) of the cached parent
+        self.generation = 0  # bumped each time the block is handed out
+
+    def identity(self) -> tuple[int, int]:
+        return self.block_id, self.generation
 
 
 def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
@@ -103,17 +108,18 @@ class BlockManager:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
         table: list[int] = []
-        parent = None
+        parent, parent_block = None, None
         if self.enable_prefix_caching:
             for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
                 tokens = tuple(token_ids[start : start + self.block_size])
                 digest = chain_hash(parent, tokens)
-                block_id = self.cached.get(digest)
-                if block_id is None or self.blocks[block_id].token_ids != tokens:
+                block = self.blocks[self.cached.get(digest, NULL_BLOCK)]
+                # The hash only finds a candidate: its tokens and its parent must match too.
+                if block.block_id == NULL_BLOCK or block.token_ids != tokens or block.parent != parent_block:
                     break
-                self._ref(block_id)
-                table.append(block_id)
-                parent = digest
+                self._ref(block.block_id)
+                table.append(block.block_id)
+                parent, parent_block = digest, block.identity()
         self.tables[seq_id] = table
         self.lengths[seq_id] = len(table) * self.block_size
         self.hashed[seq_id] = (len(table), parent)
@@ -124,11 +130,11 @@ class BlockManager:
 
         Nothing changes when it returns None.
         """
+        if self.blocks_needed(seq_id, num_new_tokens) > len(self.free_queue):
+            return None
         self.tables.setdefault(seq_id, [])
         self.lengths.setdefault(seq_id, 0)
         self.hashed.setdefault(seq_id, (0, None))
-        if self.blocks_needed(seq_id, num_new_tokens) > len(self.free_queue):
-            return None
         table, length = self.tables[seq_id], self.lengths[seq_id]
         if length % self.block_size and num_new_tokens:
             last = table[-1]
@@ -162,10 +168,13 @@ class BlockManager:
         done, parent = self.hashed[seq_id]
         for index in range(done, full):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
+            parent_block = self.blocks[self.cached[parent]].identity() if parent in self.cached else None
+            if parent is not None and parent_block is None:
+                break  # the parent was evicted: nothing after it can be found again
             digest = chain_hash(parent, tokens)
             block = self.blocks[table[index]]
             if block.hash is None and digest not in self.cached:
-                block.hash, block.token_ids = digest, tokens
+                block.hash, block.token_ids, block.parent = digest, tokens, parent_block
                 self.cached[digest] = block.block_id
             parent = digest
         if full > done:
@@ -200,7 +209,8 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.hash is not None:
             del self.cached[block.hash]
-            block.hash, block.token_ids = None, ()
+            block.hash, block.token_ids, block.parent = None, (), None
+        block.generation += 1
         block.ref_count = 1
         return block_id
 

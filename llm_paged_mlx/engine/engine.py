@@ -110,13 +110,13 @@ class Engine:
             request.swap_handle = self.swap.swap_out(kept, self.runner)
             if request.swap_handle is None:
                 request.num_computed = 0
+        copies = self.blocks.take_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
         for request in plan.swapped_in:
             table = self.blocks.block_table(request.request_id)
             self.swap.swap_in(request.swap_handle, table[: -(-request.num_computed // self.blocks.block_size)], self.runner)
             request.swap_handle = None
-        copies = self.blocks.take_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
         if not plan.chunks:
             return []
         tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in plan.chunks}

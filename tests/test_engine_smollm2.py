@@ -1,0 +1,87 @@
+"""The engine on the real SmolLM2-135M-Instruct against mlx-lm's stream_generate."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.generate import stream_generate
+from smollm2 import smollm2_dir
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.models.loading import load_model
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three primary colors.",
+    "Write one sentence about cats.",
+    "What is 12 times 12?",
+    "Why is the sky blue? Answer briefly.",
+    "Translate 'good morning' into Spanish.",
+]
+STORY = (
+    "The lighthouse keeper climbed the spiral stairs every evening, counting each of the one hundred "
+    "and twelve steps, while the sea below threw itself against the rocks. "
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model(str(smollm2_dir()), dequantize=True, dtype="float32")
+
+
+def chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+
+
+def reference(model, tokenizer, prompt, max_tokens):
+    tokens, text = [], ""
+    for response in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens):
+        text += response.text
+        if response.finish_reason != "stop":
+            tokens.append(response.token)
+    return tokens, text
+
+
+def test_concurrent_requests_match_stream_generate(smollm2):
+    model, tokenizer = smollm2
+    long_text = STORY * 20 + "\nSummarize the story in one sentence."
+    prompts = [[tokenizer.bos_token_id or 1]] + [chat(tokenizer, q) for q in QUESTIONS] + [chat(tokenizer, long_text)]
+    prompts.append(chat(tokenizer, STORY * 6 + "\nWhat did the keeper count?"))
+    assert len(prompts) >= 8 and len(prompts[0]) == 1 and max(len(p) for p in prompts) > 600
+    engine = Engine(model, tokenizer, block_size=16, num_blocks=48, max_num_batched_tokens=256)
+    params = SamplingParams(max_tokens=24)
+    ids = [engine.add_request(p, params) for p in prompts[:4]]
+    tokens, texts = {}, {}
+    for _ in range(3):
+        for chunk in engine.step():
+            tokens.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+            texts[chunk.request_id] = texts.get(chunk.request_id, "") + chunk.text
+    ids += [engine.add_request(p, params) for p in prompts[4:]]
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            tokens.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+            texts[chunk.request_id] = texts.get(chunk.request_id, "") + chunk.text
+    assert engine.stats()["preemptions"] > 0
+    assert engine.stats()["free_blocks"] == 47
+    for rid, prompt in zip(ids, prompts):
+        ref_tokens, ref_text = reference(model, tokenizer, prompt, 24)
+        assert tokens.get(rid, []) == ref_tokens, f"prompt of {len(prompt)} tokens"
+        assert texts.get(rid, "") == ref_text
+
+
+def test_text_prompt_answer_and_stop_string(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine(model, tokenizer, num_blocks=64)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True, tokenize=False
+    )
+    out = engine.generate([prompt], SamplingParams(max_tokens=32))[0]
+    assert "Paris" in out.text
+    assert out.finish_reason == "stop"
+    ref_tokens, ref_text = reference(model, tokenizer, prompt, 32)
+    assert out.token_ids == ref_tokens and out.text == ref_text
+    cut = engine.generate([prompt], SamplingParams(max_tokens=32, stop=["Paris"]))[0]
+    assert cut.text == out.text[: out.text.index("Paris")]
+    assert cut.finish_reason == "stop"
+    streamed = "".join(c.text for c in engine.stream(prompt, SamplingParams(max_tokens=32, stop=["Paris"])))
+    assert streamed == cut.text
+    assert engine.stats()["free_blocks"] == 63
+    mx.clear_cache()
