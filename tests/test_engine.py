@@ -213,3 +213,52 @@ def test_unsupported_models_are_refused():
     )
     with pytest.raises(ValueError, match="RotatingKVCache"):
         Engine(gemma3_text.Model(args))
+
+
+def test_priority_policy_serves_smaller_priority_first():
+    model = tiny_model("llama")
+    prompts = random_prompts([10, 10, 10, 10], seed=5)
+    engine = Engine(model, num_blocks=32, max_num_seqs=1, scheduler="priority")
+    ids = [engine.add_request(p, SamplingParams(max_tokens=3, priority=pri)) for p, pri in zip(prompts, [3, 1, 2, 0])]
+    order = []
+    while engine.has_unfinished():
+        order += [c.request_id for c in engine.step() if c.finish_reason]
+    assert order == [ids[3], ids[1], ids[2], ids[0]]
+
+
+def test_preemption_takes_the_lowest_priority_request():
+    model = tiny_model("llama")
+    prompts = random_prompts([60, 60], seed=6)
+    engine = Engine(model, num_blocks=9, scheduler="priority")  # 128 tokens: both cannot finish together
+    low = engine.add_request(prompts[0], SamplingParams(max_tokens=40, priority=5))
+    high = engine.add_request(prompts[1], SamplingParams(max_tokens=40, priority=0))
+    outputs, order = {}, []
+    while engine.has_unfinished():
+        chunks = engine.step()
+        collect(chunks, outputs)
+        order += [c.request_id for c in chunks if c.finish_reason]
+    assert engine.stats()["preemptions"] > 0
+    assert order == [high, low]
+    assert outputs[low] == reference(model, prompts[0], 40)
+    assert outputs[high] == reference(model, prompts[1], 40)
+
+
+def test_models_the_paged_cache_cannot_serve_are_refused():
+    from mlx_lm.models import deepseek_v3, gpt_bigcode
+
+    mla = deepseek_v3.ModelArgs(
+        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        n_routed_experts=None, max_position_embeddings=256,
+    )
+    with pytest.raises(ValueError, match="multi-head latent attention"):
+        Engine(deepseek_v3.Model(mla))
+    with pytest.raises(ValueError, match="DynamicNTKScalingRoPE"):
+        Engine(tiny_model("llama", rope_scaling={"type": "dynamic", "factor": 2.0}))
+    bigcode = gpt_bigcode.ModelArgs(
+        model_type="gpt_bigcode", n_embd=64, n_layer=1, n_inner=128, n_head=4, n_positions=128,
+        layer_norm_epsilon=1e-5, vocab_size=256,
+    )
+    with pytest.raises(ValueError, match="arange"):
+        Engine(gpt_bigcode.Model(bigcode))
