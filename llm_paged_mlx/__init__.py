@@ -1,18 +1,28 @@
-"""llm-paged-mlx: a paged-KV inference engine for MLX models, and an llm plugin."""
+"""llm-paged-mlx: a paged-KV inference engine for MLX models, and an llm plugin.
 
-from .engine.block_manager import BlockManager
-from .engine.engine import Engine
-from .engine.output import RequestOutput, StreamChunk
-from .engine.request import SamplingParams
+Names are imported on first use, so that loading the llm plugin does not pull
+in MLX for every ``llm`` command.
+"""
+
+import importlib
+
 from .hookspecs import hookimpl
-from .layer import PagedAttentionLayer
 
-__all__ = [
-    "BlockManager",
-    "Engine",
-    "PagedAttentionLayer",
-    "RequestOutput",
-    "SamplingParams",
-    "StreamChunk",
-    "hookimpl",
-]
+_EXPORTS = {
+    "BlockManager": ".engine.block_manager",
+    "Engine": ".engine.engine",
+    "PagedAttentionLayer": ".layer",
+    "RequestOutput": ".engine.output",
+    "SamplingParams": ".engine.request",
+    "StreamChunk": ".engine.output",
+}
+
+__all__ = ["hookimpl", *_EXPORTS]
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
+    globals()[name] = value
+    return value
