@@ -16,15 +16,18 @@ import mlx.core as mx
 from llm_paged_mlx.kernels.portable import decode_attention
 
 
-def median_ms(fn, warmup=2, runs=7):
+def median_ms(fns, warmup=2, runs=7):
+    """Median milliseconds of each function, timed in alternation so both see the same load."""
     for _ in range(warmup):
-        mx.eval(fn())
-    times = []
+        for fn in fns:
+            mx.eval(fn())
+    times = [[] for _ in fns]
     for _ in range(runs):
-        start = time.perf_counter()
-        mx.eval(fn())
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for fn, out in zip(fns, times):
+            start = time.perf_counter()
+            mx.eval(fn())
+            out.append((time.perf_counter() - start) * 1e3)
+    return [statistics.median(t) for t in times]
 
 
 def case(context, batch=4, q_heads=32, kv_heads=8, dim=128, block=16, dtype=mx.float32):
@@ -62,7 +65,7 @@ def main():
         paged = lambda: decode_attention(q, k_pool, v_pool, tables, lens, scale)  # noqa: E731
         ref, out = sdpa(), paged()
         err = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
-        t_sdpa, t_paged = median_ms(sdpa), median_ms(paged)
+        t_sdpa, t_paged = median_ms([sdpa, paged])
         rows.append((context, t_sdpa, t_paged, t_paged / t_sdpa, err))
         del q, k, v, k_pool, v_pool
     print("context  sdpa_ms  paged_ms  ratio  max_rel_err")

@@ -1,0 +1,227 @@
+"""Checks and times paged decode attention on an MLX CUDA GPU (one command on the H200).
+
+    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick]
+
+1. Correctness: the fused CUDA kernel against the portable kernel (float32) per dtype / head dim /
+   block size / GQA ratio, with every position a row must not see set to NaN.
+2. Copy bandwidth: ``x * 2`` over 2 GiB of bf16 (bytes read + written).
+3. Decode attention, 32 query / 8 KV heads, D=128, bf16, 16-token blocks scattered at random:
+   contiguous SDPA (baseline), gather-then-SDPA, portable, fused, for 8 sequences at 1K-128K
+   context and for 1 and 64 sequences. Each time is the median of 7 runs, each run one
+   ``mx.eval`` of 4 independent calls, divided by 4.
+4. Fused variants (warps, partition size, another template) and prefill chunks served as
+   rows of the fused kernel vs the portable prefill.
+
+The last lines printed are the result table.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+
+import mlx.core as mx
+
+from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.plan import AttentionPlan, PrefillChunk
+from llm_paged_mlx.kernels.portable import decode_attention
+
+Q_HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
+DTYPE = mx.bfloat16
+INNER = 4
+
+
+def timed(fn, runs=7, warmup=2):
+    """Median milliseconds per call of ``fn``."""
+    for _ in range(warmup):
+        mx.eval([fn() for _ in range(INNER)])
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        mx.eval([fn() for _ in range(INNER)])
+        times.append((time.perf_counter() - start) * 1e3 / INNER)
+    return statistics.median(times)
+
+
+def copy_bandwidth(gib=2):
+    x = mx.random.normal((gib << 29,)).astype(DTYPE)  # gib GiB of bf16
+    mx.eval(x)
+    ms = timed(lambda: x * 2)
+    return 2 * x.nbytes / (ms * 1e-3) / 1e12
+
+
+def make_case(batch, context, seed=0):
+    """Scattered pools, their block tables and the same K/V laid out contiguously."""
+    mx.random.seed(seed)
+    width = context // BLOCK
+    num_blocks = batch * width + 1
+    shape = (num_blocks, KV_HEADS, BLOCK, DIM)
+    k_pool = mx.random.normal(shape).astype(DTYPE)
+    v_pool = mx.random.normal(shape).astype(DTYPE)
+    tables = (mx.random.permutation(num_blocks - 1) + 1).reshape(batch, width).astype(mx.int32)
+    lens = mx.full((batch,), context, mx.int32)
+    queries = mx.random.normal((batch, Q_HEADS, 1, DIM)).astype(DTYPE)
+    mx.eval(k_pool, v_pool, tables, queries, lens)
+    return queries, k_pool, v_pool, tables, lens
+
+
+def gather(pool, tables):
+    batch, width = tables.shape
+    blocks = pool[tables]  # (B, W, H, bs, D)
+    return mx.contiguous(blocks.transpose(0, 2, 1, 3, 4).reshape(batch, KV_HEADS, width * BLOCK, DIM))
+
+
+def bench_decode(batch, context, fused, methods, alt=None):
+    queries, k_pool, v_pool, tables, lens = make_case(batch, context)
+    k, v = gather(k_pool, tables), gather(v_pool, tables)
+    mx.eval(k, v)
+    scale = DIM**-0.5
+    fns = {
+        "sdpa": lambda: mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale),
+        "gather_sdpa": lambda: mx.fast.scaled_dot_product_attention(
+            queries, gather(k_pool, tables), gather(v_pool, tables), scale=scale
+        ),
+        "portable": lambda: decode_attention(queries, k_pool, v_pool, tables, lens, scale),
+        "fused": lambda: fused.decode(queries, k_pool, v_pool, tables, lens, scale),
+        "alt": lambda: alt.decode(queries, k_pool, v_pool, tables, lens, scale),
+    }
+    row = {"batch": batch, "context": context}
+    ref = fns["sdpa"]().astype(mx.float32)
+    for name in ("fused", "portable"):
+        out = fns[name]().astype(mx.float32)
+        row[f"{name}_err"] = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    for name in methods:
+        try:
+            row[name] = timed(fns[name])
+        except Exception as exc:  # report and go on with the other methods
+            row[name] = None
+            print(f"  {name} failed at B={batch} ctx={context}: {exc}", flush=True)
+    row["kv_bytes"] = 2 * k.nbytes
+    del queries, k_pool, v_pool, tables, lens, k, v, ref, out
+    mx.clear_cache()
+    return row
+
+
+def bench_variants(batch, context, variants):
+    queries, k_pool, v_pool, tables, lens = make_case(batch, context)
+    out = {}
+    for name, kernel in variants.items():
+        out[name] = timed(lambda: kernel.decode(queries, k_pool, v_pool, tables, lens, DIM**-0.5))
+    del queries, k_pool, v_pool, tables, lens
+    mx.clear_cache()
+    return out
+
+
+def bench_prefill(context, chunk, decode_batch=8):
+    """A step of ``decode_batch`` decode rows plus one prefill chunk ending at ``context``."""
+    queries, k_pool, v_pool, tables, lens = make_case(decode_batch + 1, context)
+    rows = decode_batch + chunk
+    q = mx.random.normal((rows, Q_HEADS, 1, DIM)).astype(DTYPE)
+    plan = AttentionPlan(
+        block_size=BLOCK,
+        positions=mx.zeros((rows,), mx.int32),
+        slots=mx.zeros((rows,), mx.int32),
+        num_decode=decode_batch,
+        decode_block_tables=tables[:decode_batch],
+        decode_context_lens=lens[:decode_batch],
+        prefills=[PrefillChunk(decode_batch, chunk, context, tables[decode_batch])],
+    )
+    result = {}
+    for mode, limit in (("rows", 1 << 30), ("portable", 0)):
+        kernel = CudaKernel()
+        kernel.row_prefill_max_tokens = limit
+        result[mode] = timed(lambda: kernel(q, k_pool, v_pool, plan, DIM**-0.5))
+    del queries, k_pool, v_pool, tables, q
+    mx.clear_cache()
+    return result
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer sizes")
+    parser.add_argument("--alt-template", help="also time the fused kernel built from this template")
+    args = parser.parse_args()
+    report = {"date": datetime.date.today().isoformat(), "mlx": mx.__version__}
+    try:
+        report["gpu"] = mx.device_info().get("device_name", "?")
+    except Exception:
+        report["gpu"] = "?"
+    print(f"MLX {report['mlx']} on {report['gpu']}, {report['date']}", flush=True)
+
+    print("== correctness: fused vs portable (relative error) ==", flush=True)
+    checker = CudaKernel()
+    checks = []
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        for dim, block, rep in ((128, 16, 4), (64, 32, 1), (256, 16, 8), (128, 32, 7), (128, 16, 16)):
+            err = checker.check_error(dtype, dim, block, rep)
+            checks.append((str(dtype), dim, block, rep, err))
+            print(f"  {dtype} D={dim} bs={block} gqa={rep}: {err:.2e}", flush=True)
+    report["checks"] = checks
+
+    report["copy_tbps"] = copy_bandwidth()
+    print(f"== copy bandwidth (x*2, read+write): {report['copy_tbps']:.2f} TB/s ==", flush=True)
+
+    fused = CudaKernel()
+    all_methods = ["sdpa", "gather_sdpa", "portable", "fused"]
+    alt = None
+    if args.alt_template:
+        with open(args.alt_template) as f:
+            alt = CudaKernel(template=f.read())
+        print(f"alt = {args.alt_template}: error {alt.check_error(DTYPE, DIM, BLOCK, 4):.1e}", flush=True)
+        all_methods.append("alt")
+    grid = [(8, c) for c in (1024, 4096, 8192, 32768, 131072)]
+    grid += [(1, c) for c in (4096, 32768, 131072)] + [(64, c) for c in (1024, 4096, 32768)]
+    if args.quick:
+        grid = [(8, 4096), (8, 131072)]
+    rows = []
+    print("== decode attention (ms per call) ==", flush=True)
+    for batch, context in grid:
+        methods = [m for m in all_methods if m != "gather_sdpa" or batch * context <= 8 * 131072]
+        row = bench_decode(batch, context, fused, methods, alt)
+        rows.append(row)
+        print("  ", json.dumps(row), flush=True)
+    report["decode"] = rows
+
+    print("== fused variants (ms) ==", flush=True)
+    variants = {
+        "default": CudaKernel(),
+        "warps8": CudaKernel(warps=8),
+        "part256": CudaKernel(partition_size=256),
+        "part1024_w8": CudaKernel(partition_size=1024, warps=8),
+    }
+    if alt:
+        variants["alt"] = alt
+    report["variants"] = []
+    for batch, context in [(8, 4096), (8, 32768), (8, 131072), (1, 131072), (64, 4096)][: 2 if args.quick else None]:
+        v = bench_variants(batch, context, variants)
+        report["variants"].append({"batch": batch, "context": context, **v})
+        print(f"  B={batch} ctx={context}: {json.dumps(v)}", flush=True)
+
+    print("== prefill chunk with 8 decode rows: rows in the fused kernel vs portable prefill (ms) ==", flush=True)
+    report["prefill"] = []
+    prefill_cases = [(4096, 16), (4096, 32), (4096, 64), (4096, 128), (4096, 512), (32768, 16), (32768, 64), (32768, 512)]
+    for context, chunk in prefill_cases[: 2 if args.quick else None]:
+        p = bench_prefill(context, chunk)
+        report["prefill"].append({"context": context, "chunk": chunk, **p})
+        print(f"  ctx={context} chunk={chunk}: {json.dumps(p)}", flush=True)
+
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], "h200_kernels.json"), "w") as f:
+            json.dump(report, f, indent=1)
+
+    print(f"\nMLX {report['mlx']}, {report['gpu']}, {report['date']}; copy {report['copy_tbps']:.2f} TB/s")
+    print("  B  context   sdpa  gather  portable   fused  fused/sdpa  fused TB/s  % copy  err     alt")
+    for r in rows:
+        cell = lambda k: f"{r[k]:7.3f}" if r.get(k) is not None else "      -"  # noqa: E731
+        tbps = r["kv_bytes"] / (r["fused"] * 1e-3) / 1e12
+        print(
+            f"{r['batch']:3d} {r['context']:8d} {cell('sdpa')} {cell('gather_sdpa')} {cell('portable')}"
+            f" {cell('fused')}  {r['fused'] / r['sdpa']:9.2f}  {tbps:9.2f}  {100 * tbps / report['copy_tbps']:5.0f}%"
+            f"  {r['fused_err']:.0e}  {cell('alt')}"
+        )
+
+
+if __name__ == "__main__":
+    main()

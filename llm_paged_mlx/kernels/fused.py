@@ -1,0 +1,239 @@
+"""Fused paged attention for CUDA and Metal, from one template in ``csrc/``.
+
+Decode rows run two kernels: one threadgroup per (row, KV head, head group,
+512-token partition) computes a partial softmax-weighted sum, then a reduce
+kernel merges a row's partitions, so a few long sequences still fill the GPU
+(vLLM's paged attention v2). The sources compile at first use.
+
+Before a configuration (device, dtype, head dim, block size, GQA ratio) is
+first used, the kernel runs on random inputs, with every K/V position a query
+must not see set to NaN, and is compared with ``PortableKernel``. A compile
+error or a mismatch warns once and that configuration stays on the portable
+kernel, so a kernel that was never run on this hardware cannot give wrong
+tokens. Shapes the kernel does not cover (head dims other than a power of two
+from 8 to 256, K and V head dims that differ, ...) also use the portable kernel.
+"""
+
+import hashlib
+import warnings
+
+import mlx.core as mx
+
+from .dialect import CUDA, METAL, Dialect, read_template, render
+from .plan import AttentionPlan
+from .portable import PortableKernel, decode_attention, prefill_attention
+
+SIMD = 32
+MAX_HEADS_PER_GROUP = 8
+DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+# Self-check: max |fused - portable| / max |portable|, portable computed in float32.
+TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+
+
+class FusedKernel:
+    """Paged attention with the fused decode kernels of one dialect."""
+
+    name: str
+    dialect: Dialect
+    auto_priority = 10
+    # Prefill chunks of at most this many tokens run as single-query rows of the
+    # fused kernel; longer chunks use the portable causal attention (faster from
+    # about 64 tokens on the H200: benchmarks/RESULTS_kernels.md).
+    row_prefill_max_tokens = 32
+
+    def __init__(
+        self,
+        template: str | None = None,
+        partition_size: int = 512,
+        warps: int = 4,
+        poison_outputs: bool = False,
+    ):
+        """``template``: kernel source to use instead of ``csrc/``; ``partition_size`` and ``warps``:
+        tokens per partition and simd groups per threadgroup; ``poison_outputs``: fill the kernels'
+        output buffers with NaN before they run (tests: nothing unwritten is read)."""
+        self.template = template if template is not None else read_template()
+        self.partition_size = partition_size
+        self.warps = warps
+        self.init_value = float("nan") if poison_outputs else None
+        self.portable = PortableKernel()
+        self._kernels = None
+        self._checked: dict[tuple, bool] = {}
+
+    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float):
+        if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1]):
+            return self.portable(queries, k_pool, v_pool, plan, scale)
+        if not plan.prefills:
+            return self.decode(queries, k_pool, v_pool, plan.decode_block_tables, plan.decode_context_lens, scale)
+        if all(c.num_tokens <= self.row_prefill_max_tokens for c in plan.prefills):
+            return self.decode(queries, k_pool, v_pool, *plan.row_tables(), scale)
+        parts = []
+        if plan.num_decode:
+            q = queries[: plan.num_decode]
+            parts.append(self.decode(q, k_pool, v_pool, plan.decode_block_tables, plan.decode_context_lens, scale))
+        for chunk in plan.prefills:
+            q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
+            parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def supports(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
+        """Whether these shapes and dtypes are within what the kernel was written for."""
+        _, kv_heads, block_size, dim = k_pool.shape
+        lanes = dim // 8
+        return (
+            dtype in DTYPES
+            and k_pool.dtype == v_pool.dtype == dtype
+            and v_pool.shape == k_pool.shape
+            and dim % 8 == 0
+            and 1 <= lanes <= SIMD
+            and lanes & (lanes - 1) == 0
+            and block_size % (SIMD // lanes) == 0
+            and self.partition_size % block_size == 0
+            and q_heads % kv_heads == 0
+        )
+
+    def usable(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
+        """Supported, and passed its self-check on this device."""
+        if not self.supports(dtype, k_pool, v_pool, q_heads):
+            return False
+        _, kv_heads, block_size, dim = k_pool.shape
+        key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads)
+        if key not in self._checked:
+            self._checked[key] = self._self_check(*key[1:])
+        return self._checked[key]
+
+    def decode(self, queries, k_pool, v_pool, block_tables, context_lens, scale: float) -> mx.array:
+        """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables."""
+        rows, q_heads, _, dim = queries.shape
+        _, kv_heads, block_size, _ = k_pool.shape
+        rep = q_heads // kv_heads
+        groups = -(-rep // MAX_HEADS_PER_GROUP)
+        heads_per_group = -(-rep // groups)
+        part = self.partition_size
+        parts = -(-block_tables.shape[1] * block_size // part)
+        threads = self.warps * SIMD
+        partition, reduce = self._compiled()
+        lens = context_lens.astype(mx.int32)
+        part_out, part_m, part_l = partition(
+            inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32), lens, mx.array([scale], mx.float32)],
+            template=[
+                ("T", k_pool.dtype),
+                ("D", dim),
+                ("BS", block_size),
+                ("REP", rep),
+                ("HPG", heads_per_group),
+                ("PART", part),
+                ("NW", self.warps),
+            ],
+            grid=(parts * threads, kv_heads * groups, rows),
+            threadgroup=(threads, 1, 1),
+            output_shapes=[(rows, q_heads, parts, dim), (rows, q_heads, parts), (rows, q_heads, parts)],
+            output_dtypes=[mx.float32] * 3,
+            init_value=self.init_value,
+        )
+        (out,) = reduce(
+            inputs=[part_out, part_m, part_l, lens],
+            template=[("T", k_pool.dtype), ("D", dim), ("PART", part)],
+            grid=(dim, q_heads, rows),
+            threadgroup=(dim, 1, 1),
+            output_shapes=[(rows, q_heads, 1, dim)],
+            output_dtypes=[k_pool.dtype],
+            init_value=self.init_value,
+        )
+        return out
+
+    def _compiled(self):
+        if self._kernels is None:
+            bodies = render(self.template, self.dialect)
+            tag = hashlib.sha1(self.template.encode()).hexdigest()[:12]
+            make = mx.fast.cuda_kernel if self.dialect is CUDA else mx.fast.metal_kernel
+            specs = {
+                "partition": (["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
+                              ["part_out", "part_m", "part_l"]),
+                "reduce": (["part_out", "part_m", "part_l", "context_lens"], ["out"]),
+            }  # fmt: skip
+            self._kernels = tuple(
+                make(
+                    name=f"paged_attention_{kernel}_{tag}",
+                    input_names=inputs,
+                    output_names=outputs,
+                    header=bodies[kernel][0],
+                    source=bodies[kernel][1],
+                )
+                for kernel, (inputs, outputs) in specs.items()
+            )
+        return self._kernels
+
+    def _self_check(self, dtype, dim: int, block_size: int, rep: int) -> bool:
+        config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
+        try:
+            error = self.check_error(dtype, dim, block_size, rep)
+        except Exception as exc:  # a compile or launch error: any failure means "don't use it"
+            warnings.warn(
+                f"{self.name} paged attention kernel failed for {config} ({exc}); using the portable kernel",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        if not error <= TOLERANCE[dtype]:
+            warnings.warn(
+                f"{self.name} paged attention kernel disagrees with the portable kernel for {config} "
+                f"(relative error {error:.2e}); using the portable kernel",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return False
+        return True
+
+    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2) -> float:
+        """Relative error of ``decode`` against the portable kernel on random inputs.
+
+        Rows of 1, a block and a bit, and several partitions' worth of tokens;
+        every position a row must not see holds NaN in the fused kernel's pools.
+        """
+        lens = [1, block_size + 3, 2 * self.partition_size + 5]
+        rows, width = len(lens), -(-max(lens) // block_size)
+        num_blocks = rows * width + 1
+        key = mx.random.key(0)
+        kq, kk, kv, kp = mx.random.split(key, 4)
+        queries = mx.random.normal((rows, kv_heads * rep, 1, dim), key=kq).astype(dtype)
+        k_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kk).astype(dtype)
+        v_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kv).astype(dtype)
+        tables = (mx.random.permutation(num_blocks - 1, key=kp) + 1).reshape(rows, width).astype(mx.int32)
+        context_lens = mx.array(lens, mx.int32)
+        positions = mx.arange(width * block_size).reshape(1, width, block_size)
+        seen = (positions < context_lens[:, None, None]).reshape(rows * width, 1, block_size, 1)
+        visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
+        visible[tables.reshape(-1)] = seen
+        scale = dim**-0.5
+        out = self.decode(
+            queries,
+            mx.where(visible, k_pool, mx.nan),
+            mx.where(visible, v_pool, mx.nan),
+            tables,
+            context_lens,
+            scale,
+        )
+        f32 = [x.astype(mx.float32) for x in (queries, k_pool, v_pool)]
+        ref = decode_attention(f32[0], f32[1], f32[2], tables, context_lens, scale)
+        error = mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()
+        return error.item()
+
+
+class CudaKernel(FusedKernel):
+    """The fused kernels on MLX's CUDA backend."""
+
+    name = "cuda"
+    dialect = CUDA
+
+    def is_available(self) -> bool:
+        return mx.cuda.is_available() and mx.default_device() == mx.gpu
+
+
+class MetalKernel(FusedKernel):
+    """The fused kernels on MLX's Metal backend."""
+
+    name = "metal"
+    dialect = METAL
+
+    def is_available(self) -> bool:
+        return mx.metal.is_available() and mx.default_device() == mx.gpu

@@ -1,0 +1,216 @@
+"""Paged attention kernels against a float64 numpy reference, on the CPU.
+
+Every case is fresh random data: block tables are random permutations of the
+pool, context lengths are ragged (1, non-multiples of the block size), query
+heads share KV heads (GQA). Pool positions a row must not see are poisoned, so
+reading one shows up in the result. The helpers here are shared with
+``test_kernels_cuda.py``.
+"""
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel
+from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
+from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
+
+BIG = 1e30  # stands in for stale K/V that the portable kernel reads but must mask
+
+
+def make_case(rng, seq_lens, q_heads, kv_heads, dim, block_size, spare_blocks=3, strict=True):
+    """Random pools and block tables for sequences of ``seq_lens`` tokens.
+
+    Returns numpy ``(k_pool, v_pool, tables)``: tables are padded with the null
+    block 0. Unreferenced blocks hold NaN; positions past a sequence's length in
+    its blocks, and block 0, hold NaN if ``strict`` (a fused kernel must not read
+    them) or ``BIG`` otherwise (the portable kernel reads and masks them).
+    """
+    counts = [-(-n // block_size) for n in seq_lens]
+    num_blocks = 1 + sum(counts) + spare_blocks
+    ids = rng.permutation(np.arange(1, num_blocks))
+    width = max(counts) + 1
+    tables = np.zeros((len(seq_lens), width), np.int32)
+    visible = np.zeros((num_blocks, block_size), bool)
+    referenced = np.zeros(num_blocks, bool)
+    referenced[0] = True
+    start = 0
+    for row, (n, count) in enumerate(zip(seq_lens, counts)):
+        tables[row, :count] = ids[start : start + count]
+        start += count
+        referenced[tables[row, :count]] = True
+        flat = np.zeros(count * block_size, bool)
+        flat[:n] = True
+        visible[tables[row, :count]] = flat.reshape(count, block_size)
+    shape = (num_blocks, kv_heads, block_size, dim)
+    pools = []
+    for _ in range(2):
+        pool = rng.standard_normal(shape).astype(np.float32)
+        hidden = ~visible[:, None, :, None] & np.ones(shape, bool)
+        pool[hidden] = np.nan if strict else BIG
+        pool[~referenced] = np.nan
+        pools.append(pool)
+    return pools[0], pools[1], tables
+
+
+def reference(queries, k_pool, v_pool, tables, lens, scale):
+    """float64 attention of each row's query ``(R, Hq, 1, D)`` over its first ``lens[r]`` tokens."""
+    rows, q_heads, _, _ = queries.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    rep = q_heads // kv_heads
+    out = np.zeros((rows, q_heads, 1, v_pool.shape[-1]))
+    for r in range(rows):
+        n = int(lens[r])
+        blocks = tables[r, : -(-n // block_size)]
+        for h in range(q_heads):
+            k = k_pool[blocks, h // rep].reshape(-1, k_pool.shape[-1])[:n].astype(np.float64)
+            v = v_pool[blocks, h // rep].reshape(-1, v_pool.shape[-1])[:n].astype(np.float64)
+            s = k @ queries[r, h, 0].astype(np.float64) * scale
+            p = np.exp(s - s.max())
+            out[r, h, 0] = p @ v / p.sum()
+    return out
+
+
+def rel_error(out, ref):
+    return float(np.abs(np.array(out.astype(mx.float32)) - ref).max() / np.abs(ref).max())
+
+
+def make_plan(rng, q_heads, kv_heads, dim, block_size, decode_lens, prefills, strict=True):
+    """A step with decode rows and prefill chunks ``(cached, new)``: plan, inputs and reference.
+
+    Returns ``(plan, queries, k_pool, v_pool, row_tables, row_lens)`` with
+    numpy arrays; row ``i`` sees the first ``row_lens[i]`` tokens of its table.
+    """
+    seq_lens = list(decode_lens) + [cached + new for cached, new in prefills]
+    k_pool, v_pool, tables = make_case(rng, seq_lens, q_heads, kv_heads, dim, block_size, strict=strict)
+    n_dec = len(decode_lens)
+    row_tables, row_lens, chunks = [tables[:n_dec]], [np.array(decode_lens)], []
+    row = n_dec
+    for i, (cached, new) in enumerate(prefills):
+        table = tables[n_dec + i]
+        used = table[: -(-(cached + new) // block_size)]
+        chunks.append(PrefillChunk(row, new, cached + new, mx.array(used)))
+        row_tables.append(np.broadcast_to(table, (new, table.shape[0])))
+        row_lens.append(np.arange(cached + 1, cached + new + 1))
+        row += new
+    num_rows = row
+    dec_width = max(1, max((-(-n // block_size) for n in decode_lens), default=1))
+    plan = AttentionPlan(
+        block_size=block_size,
+        positions=mx.zeros((num_rows,), mx.int32),
+        slots=mx.zeros((num_rows,), mx.int32),
+        num_decode=n_dec,
+        decode_block_tables=mx.array(tables[:n_dec, :dec_width]),
+        decode_context_lens=mx.array(np.array(decode_lens, np.int32)),
+        prefills=chunks,
+    )
+    queries = rng.standard_normal((num_rows, q_heads, 1, dim)).astype(np.float32)
+    return plan, queries, k_pool, v_pool, np.concatenate(row_tables), np.concatenate(row_lens)
+
+
+DECODE_CASES = [
+    # q_heads, kv_heads, dim, block_size, context lengths
+    (4, 4, 32, 16, [1, 15, 16, 17, 100]),
+    (8, 2, 64, 16, [1, 33, 250, 7]),
+    (12, 3, 64, 32, [31, 1, 64, 65]),
+    (8, 1, 32, 32, [513, 2]),
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("q_heads,kv_heads,dim,block_size,lens", DECODE_CASES)
+def test_decode_attention_matches_reference(seed, q_heads, kv_heads, dim, block_size, lens):
+    rng = np.random.default_rng(seed)
+    k_pool, v_pool, tables = make_case(rng, lens, q_heads, kv_heads, dim, block_size, strict=False)
+    queries = rng.standard_normal((len(lens), q_heads, 1, dim)).astype(np.float32)
+    scale = dim**-0.5
+    out = decode_attention(
+        mx.array(queries), mx.array(k_pool), mx.array(v_pool), mx.array(tables), mx.array(lens, mx.int32), scale
+    )
+    assert rel_error(out, reference(queries, k_pool, v_pool, tables, lens, scale)) < 1e-5
+
+
+def test_decode_attention_chunks_the_gather(monkeypatch):
+    """Tables wider than one gather_mm call allows are split into several calls."""
+    import llm_paged_mlx.kernels.portable as portable
+
+    monkeypatch.setattr(portable, "MAX_GATHER_PRODUCTS", 7)
+    rng = np.random.default_rng(5)
+    lens = [70, 3, 129]
+    k_pool, v_pool, tables = make_case(rng, lens, 4, 2, 32, 16, strict=False)
+    queries = rng.standard_normal((3, 4, 1, 32)).astype(np.float32)
+    out = decode_attention(
+        mx.array(queries), mx.array(k_pool), mx.array(v_pool), mx.array(tables), mx.array(lens, mx.int32), 0.2
+    )
+    assert rel_error(out, reference(queries, k_pool, v_pool, tables, lens, 0.2)) < 1e-5
+
+
+def test_decode_attention_half_precision_on_cpu():
+    rng = np.random.default_rng(3)
+    lens = [5, 40]
+    k_pool, v_pool, tables = make_case(rng, lens, 4, 2, 32, 16, strict=False)
+    queries = rng.standard_normal((2, 4, 1, 32)).astype(np.float32)
+    # the reference sees the same bf16-rounded inputs
+    queries, k_pool, v_pool = (np.array(mx.array(x).astype(mx.bfloat16).astype(mx.float32)) for x in (queries, k_pool, v_pool))
+    out = decode_attention(
+        mx.array(queries).astype(mx.bfloat16),
+        mx.array(k_pool).astype(mx.bfloat16),
+        mx.array(v_pool).astype(mx.bfloat16),
+        mx.array(tables),
+        mx.array(lens, mx.int32),
+        32**-0.5,
+    )
+    assert out.dtype == mx.bfloat16
+    assert rel_error(out, reference(queries, k_pool, v_pool, tables, lens, 32**-0.5)) < 2e-2
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_portable_kernel_serves_decode_and_prefill_rows(seed):
+    rng = np.random.default_rng(seed)
+    plan, queries, k_pool, v_pool, row_tables, row_lens = make_plan(
+        rng, 8, 2, 32, 16, decode_lens=[1, 17, 40], prefills=[(20, 5), (0, 7), (0, 1)], strict=False
+    )
+    out = PortableKernel()(mx.array(queries), mx.array(k_pool), mx.array(v_pool), plan, 0.3)
+    assert out.shape == queries.shape
+    assert rel_error(out, reference(queries, k_pool, v_pool, row_tables, row_lens, 0.3)) < 1e-5
+
+
+def test_row_tables_agree_with_the_reference_rows():
+    rng = np.random.default_rng(2)
+    plan, *_, row_tables, row_lens = make_plan(rng, 4, 4, 32, 16, decode_lens=[3, 33], prefills=[(16, 4)])
+    tables, lens = plan.row_tables()
+    assert np.array_equal(np.array(lens), row_lens)
+    for r, n in enumerate(row_lens):
+        used = -(-int(n) // 16)
+        assert np.array_equal(np.array(tables)[r, :used], row_tables[r, :used])
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU only")
+def test_auto_picks_portable_on_cpu():
+    assert not CudaKernel().is_available()
+    assert not MetalKernel().is_available()
+    assert select_kernel("auto").name == "portable"
+    assert CudaKernel.auto_priority > PortableKernel.auto_priority
+    assert MetalKernel.auto_priority > PortableKernel.auto_priority
+
+
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU only")
+@pytest.mark.parametrize("kernel_class", [CudaKernel, MetalKernel])
+def test_fused_kernel_that_cannot_run_falls_back_with_one_warning(kernel_class):
+    """Called where its backend is missing, a fused kernel warns once and answers like portable."""
+    rng = np.random.default_rng(4)
+    plan, queries, k_pool, v_pool, row_tables, row_lens = make_plan(
+        rng, 8, 2, 64, 16, decode_lens=[1, 20], prefills=[(16, 3)], strict=False
+    )
+    kernel = kernel_class()
+    args = (mx.array(queries), mx.array(k_pool), mx.array(v_pool), plan, 0.125)
+    with pytest.warns(RuntimeWarning, match="using the portable kernel"):
+        out = kernel(*args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        again = kernel(*args)
+    ref = reference(queries, k_pool, v_pool, row_tables, row_lens, 0.125)
+    assert rel_error(out, ref) < 1e-5
+    assert rel_error(again, ref) < 1e-5

@@ -1,0 +1,107 @@
+"""The fused CUDA kernel against the float64 reference; runs only where MLX has CUDA."""
+
+import warnings
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from test_kernels import make_case, make_plan, reference, rel_error
+
+from llm_paged_mlx.kernels import select_kernel
+from llm_paged_mlx.kernels.dialect import read_template
+from llm_paged_mlx.kernels.fused import CudaKernel
+
+pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
+
+LIMIT = {mx.bfloat16: 1e-2, mx.float16: 1e-2, mx.float32: 1e-5}
+
+CASES = [
+    # dtype, q_heads, kv_heads, dim, block_size, context lengths
+    (mx.bfloat16, 32, 8, 128, 16, [1, 15, 17, 512, 513, 1300]),
+    (mx.bfloat16, 8, 8, 64, 32, [1, 31, 33, 1100]),
+    (mx.bfloat16, 16, 2, 256, 16, [2, 700, 47]),
+    (mx.bfloat16, 28, 4, 128, 32, [1025, 5, 1]),  # GQA 7
+    (mx.bfloat16, 24, 2, 64, 16, [900, 3]),  # GQA 12: two head groups per KV head
+    (mx.float32, 32, 8, 128, 16, [1, 15, 17, 513, 1300]),
+    (mx.float32, 16, 4, 64, 32, [1, 95, 2049]),
+    (mx.float32, 8, 1, 256, 16, [600, 9]),
+    (mx.float16, 32, 8, 128, 16, [1, 200, 1500]),
+    (mx.float16, 8, 2, 128, 32, [77, 1]),
+]
+
+
+def cast(x, dtype):
+    """numpy float32 -> MLX ``dtype``, and the rounded values back for the reference."""
+    a = mx.array(x).astype(dtype)
+    return a, np.array(a.astype(mx.float32))
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype,q_heads,kv_heads,dim,block_size,lens", CASES)
+def test_fused_decode_matches_reference(seed, dtype, q_heads, kv_heads, dim, block_size, lens):
+    rng = np.random.default_rng(seed)
+    k_np, v_np, tables = make_case(rng, lens, q_heads, kv_heads, dim, block_size, strict=True)
+    q, q_np = cast(rng.standard_normal((len(lens), q_heads, 1, dim)).astype(np.float32), dtype)
+    k_pool, k_np = cast(k_np, dtype)
+    v_pool, v_np = cast(v_np, dtype)
+    scale = dim**-0.5
+    out = CudaKernel(poison_outputs=True).decode(q, k_pool, v_pool, mx.array(tables), mx.array(lens, mx.int32), scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= LIMIT[dtype]
+
+
+@pytest.mark.parametrize("row_prefill_max_tokens", [0, 1 << 30])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_cuda_kernel_serves_decode_and_prefill_rows(dtype, row_prefill_max_tokens):
+    rng = np.random.default_rng(7)
+    plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
+        rng, 16, 4, 128, 16, decode_lens=[1, 17, 600], prefills=[(500, 30), (0, 9), (0, 1)], strict=False
+    )
+    q, q_np = cast(queries, dtype)
+    k_pool, k_np = cast(np.nan_to_num(k_np), dtype)
+    v_pool, v_np = cast(np.nan_to_num(v_np), dtype)
+    kernel = CudaKernel()
+    kernel.row_prefill_max_tokens = row_prefill_max_tokens
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check passes
+        out = kernel(q, k_pool, v_pool, plan, 0.1)
+    # Long chunks go to MLX's SDPA (portable prefill), which is good to about 1e-4 in float32 on CUDA.
+    limit = LIMIT[dtype] if row_prefill_max_tokens else max(LIMIT[dtype], 2e-4)
+    assert rel_error(out, reference(q_np, k_np, v_np, row_tables, row_lens, 0.1)) <= limit
+
+
+def test_auto_picks_cuda():
+    assert select_kernel("auto").name == "cuda"
+
+
+def test_self_check_passes_for_the_shipped_source():
+    kernel = CudaKernel()
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        assert kernel.usable(dtype, mx.zeros((2, 8, 16, 128), dtype), mx.zeros((2, 8, 16, 128), dtype), 32)
+
+
+@pytest.mark.parametrize(
+    "broken,message",
+    [
+        (("q[h][e] *= scale[0];", "q[h][e] *= 2.0f * scale[0];"), "disagrees"),  # wrong numbers
+        (("const int lane = pa_tid % SIMD;", "const int lane = pa_tid % SIMD"), "failed"),  # no compile
+    ],
+)
+def test_broken_source_fails_the_self_check_and_falls_back(broken, message):
+    template = read_template()
+    assert broken[0] in template
+    kernel = CudaKernel(template=template.replace(*broken))
+    rng = np.random.default_rng(11)
+    plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
+        rng, 8, 2, 64, 16, decode_lens=[1, 40, 700], prefills=[], strict=False
+    )
+    args = (mx.array(queries), mx.array(np.nan_to_num(k_np)), mx.array(np.nan_to_num(v_np)), plan, 0.125)
+    with pytest.warns(RuntimeWarning, match=message):
+        out = kernel(*args)
+    ref = reference(queries, np.nan_to_num(k_np), np.nan_to_num(v_np), row_tables, row_lens, 0.125)
+    assert rel_error(out, ref) < 1e-5
+    # the device is still healthy: the shipped kernel runs after the broken one
+    good = CudaKernel()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert rel_error(good(*args), ref) < 1e-5
