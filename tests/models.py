@@ -8,11 +8,15 @@ ARCHS = ("llama", "qwen2", "qwen3")
 
 
 def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A 2-layer GQA model of ``arch`` with random weights (vocab 256)."""
+    """A 2-layer GQA model of ``arch`` with random weights (vocab 256, head_dim 32).
+
+    head_dim 32, not 16: MLX 0.32.4's CUDA RoPE fails to launch for head_dim 16 with
+    an offset array over 128 rows.
+    """
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     config = dict(
         model_type=arch,
-        hidden_size=64,
+        hidden_size=128,
         num_hidden_layers=2,
         intermediate_size=128,
         num_attention_heads=4,
@@ -24,7 +28,7 @@ def tiny_model(arch: str = "llama", seed: int = 0, **overrides):
         tie_word_embeddings=arch != "qwen3",
     )
     if arch == "qwen3":
-        config["head_dim"] = 16
+        config["head_dim"] = 32
     config.update(overrides)
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs(**config))
