@@ -38,7 +38,7 @@ class FusedKernel:
     auto_priority = 10
     # Prefill chunks of at most this many tokens run as single-query rows of the
     # fused kernel; longer chunks use the portable causal attention (faster from
-    # about 64 tokens on the H200: benchmarks/RESULTS_kernels.md).
+    # about 64 tokens on the H200: benchmarks/RESULTS.md).
     row_prefill_max_tokens = 32
 
     def __init__(
