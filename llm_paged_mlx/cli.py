@@ -109,3 +109,29 @@ def _check_unused(name: str) -> None:
     for found in llm.get_models_with_aliases():
         if name == found.model.model_id or name in found.aliases:
             raise ValueError(f"{name} is already a model id or alias in llm; pick another with --alias")
+
+
+@paged_mlx.group()
+def cache():
+    "The disk cache of earlier conversations' KV blocks"
+
+
+@cache.command(name="info")
+def cache_info():
+    "Show the KV disk cache's size, blocks per model and hit counts"
+    from .engine.disk_cache import directory_info
+    from .plugin import kv_disk_dir
+
+    info = directory_info(kv_disk_dir())
+    click.echo(f"{info['directory']}: {info['blocks']} blocks, {info['size_bytes'] / 1e6:.1f} MB")
+    for model_id, model in info["models"].items():
+        click.echo(f"  {model_id}: {model['blocks']} blocks, {model['bytes'] / 1e6:.1f} MB")
+
+
+@cache.command(name="clear")
+def cache_clear():
+    "Delete every cached KV block"
+    from .engine.disk_cache import clear_directory
+    from .plugin import kv_disk_dir
+
+    click.echo(f"Removed {clear_directory(kv_disk_dir())} blocks")

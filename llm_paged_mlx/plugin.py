@@ -27,6 +27,7 @@ from .user_models import UserModels
 QWEN_REPO = "mlx-community/Qwen3-0.6B-4bit"
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_KV_BUDGET = 1024**3  # engine construction is quick up to here; 2 GiB took 3-6 s on CPU
+DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
 CACHE_ENV = "LLM_PAGED_MLX_CACHE"
 
 
@@ -38,6 +39,11 @@ def plugin_dir() -> Path:
 def default_model_cache() -> Path:
     """The folder the default SmolLM2 model is converted into: $LLM_PAGED_MLX_CACHE if set."""
     return Path(os.environ.get(CACHE_ENV) or plugin_dir() / "models")
+
+
+def kv_disk_dir() -> Path:
+    """Where finished conversations' KV blocks are kept, so ``llm -c`` in a new process skips re-prefill."""
+    return plugin_dir() / "kv-cache"
 
 
 def user_models() -> UserModels:
@@ -117,10 +123,13 @@ class PagedOptions(llm.Options):
     scheduler: Optional[str] = Field(None, description="Scheduling policy: fcfs (default), priority, or one a plugin adds")
     attention_kernel: Optional[str] = Field(None, description="Paged attention kernel: auto (default), portable, metal, cuda, or one a plugin adds")
     prefix_cache: Optional[bool] = Field(None, description="Reuse the KV of earlier prompts' common prefix (default true)")
+    kv_disk_budget: Optional[int] = Field(
+        None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
+    )
 
-    @field_validator("kv_budget", mode="before")
+    @field_validator("kv_budget", "kv_disk_budget", mode="before")
     @classmethod
-    def _parse_kv_budget(cls, value):
+    def _parse_size(cls, value):
         return None if value is None else parse_size(value)
 
     @field_validator("scheduler")
@@ -150,6 +159,7 @@ def engine_options(options: PagedOptions) -> dict:
         "scheduler": options.scheduler or "fcfs",
         "attention_kernel": options.attention_kernel or "auto",
         "enable_prefix_caching": options.prefix_cache is not False,
+        "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
     }
 
 
@@ -221,13 +231,36 @@ def get_engine(model_id: str, source: str, fetch: Callable[[], str], options: di
     from .engine.engine import Engine
     from .models.loading import load_model
 
+    from .models.loading import resolve_model_path
+
     reused = (loaded.engine.model, loaded.engine.tokenizer) if loaded and loaded.source == source else None
     _ENGINES.pop(model_id, None)
     loaded = None  # free the old KV pool (and weights, unless reused) before allocating anew
-    model, tokenizer = reused or load_model(fetch())
-    engine = Engine(model, tokenizer, **options)
+    folder = resolve_model_path(fetch())
+    model, tokenizer = reused or load_model(str(folder))
+    engine_kwargs = dict(options)
+    disk_budget = engine_kwargs.pop("kv_disk_budget")
+    disk = disk_cache(folder, disk_budget) if disk_budget and options["enable_prefix_caching"] else None
+    engine = Engine(model, tokenizer, kv_disk_cache=disk, **engine_kwargs)
     _ENGINES[model_id] = _Loaded(source, options, engine)
     return engine
+
+
+_DISK_CACHES: dict = {}  # one KVDiskCache (one writer thread) per directory, model identity and budget
+
+
+def disk_cache(folder: Path, budget: int):
+    """The disk tier for a model folder, keyed by the folder, its files and how it was loaded."""
+    import mlx.core as mx
+
+    from .engine.disk_cache import KVDiskCache, model_identity
+
+    on_cpu = mx.default_device() == mx.cpu
+    identity = model_identity(folder, dequantized=on_cpu, dtype="float32" if on_cpu else "as-stored")
+    key = (kv_disk_dir(), identity, budget)
+    if key not in _DISK_CACHES:
+        _DISK_CACHES[key] = KVDiskCache(*key)
+    return _DISK_CACHES[key]
 
 
 # -- prompts ------------------------------------------------------------------
@@ -284,7 +317,7 @@ class _Request:
 
         mx.reset_peak_memory()
         start = time.perf_counter()
-        first, generated, finish, cached = None, 0, None, 0
+        first, generated, finish, cached, from_disk = None, 0, None, 0, 0
         with contextlib.closing(engine.stream(token_ids, params)) as chunks:  # closing aborts
             for chunk in chunks:
                 if self.cancelled.is_set():
@@ -295,7 +328,7 @@ class _Request:
                 if chunk.text:
                     self.put(chunk.text)
                 if chunk.finish_reason:
-                    finish, cached = chunk.finish_reason, chunk.num_cached_tokens
+                    finish, cached, from_disk = chunk.finish_reason, chunk.num_cached_tokens, chunk.num_disk_cached_tokens
         end = time.perf_counter()
         block_size = engine.stats()["block_size"]
         self.report.update(
@@ -306,7 +339,8 @@ class _Request:
             tokens_per_s=round((generated - 1) / (end - first), 2) if generated > 1 else None,
             blocks_used=math.ceil((len(token_ids) + generated) / block_size),
             block_size=block_size,
-            prefix_cache_hit_tokens=cached,
+            prefix_cache_hit_tokens=cached,  # from memory and disk
+            disk_cache_hit_tokens=from_disk,
             peak_memory_bytes=mx.get_peak_memory(),
         )
 

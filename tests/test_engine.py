@@ -262,3 +262,20 @@ def test_models_the_paged_cache_cannot_serve_are_refused():
     )
     with pytest.raises(ValueError, match="arange"):
         Engine(gpt_bigcode.Model(bigcode))
+
+
+def test_interleaved_streams_share_steps_without_losing_chunks():
+    model = tiny_model("qwen3")
+    prompts = random_prompts([12, 40, 3])
+    engine = Engine(model, num_blocks=32)
+    streams = [engine.stream(p, SamplingParams(max_tokens=8 + 3 * i)) for i, p in enumerate(prompts)]
+    got = [[] for _ in streams]
+    live = set(range(len(streams)))
+    while live:
+        for i in sorted(live):
+            chunk = next(streams[i])
+            got[i] += chunk.token_ids
+            if chunk.finish_reason:
+                live.discard(i)
+    assert got == [reference(model, p, 8 + 3 * i) for i, p in enumerate(prompts)]
+    assert engine.stats()["free_blocks"] == 31 and not engine.outbox

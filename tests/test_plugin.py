@@ -140,6 +140,24 @@ def test_chat_and_continue_carry_the_history_once(user_dir, seen_prompts):
     assert chat_turn["prefix_cache_hit_tokens"] >= 16  # the first turn's blocks, reused in one process
 
 
+def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts):
+    plugin._ENGINES.clear()  # an engine of an earlier test writes to that test's user dir
+    first = ok("-m", "paged-smollm2", "-o", "max_tokens", 16, FRANCE)
+    for cache in plugin._DISK_CACHES.values():
+        cache.flush()
+    assert "blocks" in ok("paged-mlx", "cache", "info") and (user_dir / "paged-mlx" / "kv-cache").is_dir()
+    plugin._ENGINES.clear()  # what a new `llm -c` process starts with: no engine, no memory cache
+    follow_up = ok("-c", "-o", "max_tokens", 16, "And of Germany?")
+    metrics = last_log()["response_json"]
+    assert metrics["disk_cache_hit_tokens"] >= 16 and metrics["prefix_cache_hit_tokens"] >= 16
+    model, tokenizer = loaded(str(smollm2_dir()))
+    prompt = tokenizer.encode(seen_prompts[-1], add_special_tokens=False)
+    expected = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=16, sampler=make_sampler(temp=0.0)))
+    assert follow_up == expected + "\n" and first.strip()
+    assert ok("paged-mlx", "cache", "clear").startswith("Removed ")
+    assert "0 blocks" in ok("paged-mlx", "cache", "info")
+
+
 @pytest.mark.parametrize("option, value, words", [
     ("temperature", "-1", ["temperature", "greater than or equal to 0"]),
     ("top_p", "0", ["top_p"]),

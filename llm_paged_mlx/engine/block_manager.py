@@ -168,9 +168,9 @@ class BlockManager:
         done, parent = self.hashed[seq_id]
         for index in range(done, full):
             tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent_block = self.blocks[self.cached[parent]].identity() if parent in self.cached else None
-            if parent is not None and parent_block is None:
-                break  # the parent was evicted: nothing after it can be found again
+            parent_block = None
+            if parent is not None:  # the cached holder of the parent's tokens, else our own copy
+                parent_block = self.blocks[self.cached.get(parent, table[index - 1])].identity()
             digest = chain_hash(parent, tokens)
             block = self.blocks[table[index]]
             if block.hash is None and digest not in self.cached:
@@ -179,6 +179,35 @@ class BlockManager:
             parent = digest
         if full > done:
             self.hashed[seq_id] = (full, parent)
+
+    # -- blocks whose K/V come from elsewhere (the disk tier) -----------------------
+
+    def prefix_hash(self, seq_id: Hashable) -> Optional[bytes]:
+        """The chain hash of the sequence's hashed blocks (None before the first)."""
+        return self.hashed[seq_id][1]
+
+    def append_cached_block(self, seq_id: Hashable, token_ids: Sequence[int]) -> Optional[int]:
+        """Give a sequence whose blocks are all full and hashed one more, in the prefix cache.
+
+        Its K/V are the caller's to write. Returns the block id, or None when no
+        block is free or another block already holds that hash.
+        """
+        table = self.tables[seq_id]
+        done, parent = self.hashed[seq_id]
+        if done != len(table) or self.lengths[seq_id] != done * self.block_size:
+            raise ValueError(f"sequence {seq_id!r} does not end with a full hashed block")
+        tokens = tuple(token_ids)
+        digest = chain_hash(parent, tokens)
+        if not self.free_queue or digest in self.cached or len(tokens) != self.block_size:
+            return None
+        parent_block = self.blocks[self.cached.get(parent, table[-1])].identity() if table else None
+        block = self.blocks[self._allocate()]
+        block.hash, block.token_ids, block.parent = digest, tokens, parent_block
+        self.cached[digest] = block.block_id
+        table.append(block.block_id)
+        self.lengths[seq_id] += self.block_size
+        self.hashed[seq_id] = (done + 1, digest)
+        return block.block_id
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """``child_id`` shares all of the parent's blocks; a shared partial block is copied on write."""

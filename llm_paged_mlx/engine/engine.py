@@ -1,5 +1,6 @@
 """The engine: requests in, tokens out, one scheduled step at a time."""
 
+import functools
 import itertools
 from typing import Iterator, Optional, Sequence, Union
 
@@ -9,6 +10,7 @@ from .. import plugins
 from ..kernels import select_kernel
 from ..models.paged_cache import check_model
 from .block_manager import BlockManager
+from .disk_cache import KVDiskCache
 from .output import OutputText, RequestOutput, StreamChunk
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner
@@ -25,6 +27,9 @@ class Engine:
     The KV pool has ``num_blocks`` blocks of ``block_size`` tokens, or as many
     as fit in ``kv_budget_bytes`` (2 GiB when neither is given).
     ``tokenizer=None`` means prompts are token ids and outputs carry no text.
+    ``kv_disk_cache`` adds a disk tier to the prefix cache: finished requests'
+    full blocks are saved there and later prompts (in this or another process)
+    read them back instead of computing them.
     """
 
     def __init__(
@@ -41,6 +46,7 @@ class Engine:
         attention_kernel: str = "auto",
         enable_prefix_caching: bool = True,
         swap_policy: str = "recompute",
+        kv_disk_cache: Optional[KVDiskCache] = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -53,15 +59,23 @@ class Engine:
             num_blocks = (kv_budget_bytes or DEFAULT_KV_BUDGET) // block_bytes
         if num_blocks < 2:
             raise ValueError(f"a KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+        if kv_disk_cache is not None and not enable_prefix_caching:
+            raise ValueError("kv_disk_cache needs enable_prefix_caching")
         self.model = model
         self.tokenizer = tokenizer
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel)
-        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens)
+        self.disk = kv_disk_cache
+        load_blocks = None
+        if kv_disk_cache is not None:  # the shape and dtype of each array of one block, K and V per layer
+            layout = [((l.num_kv_heads * block_size, dim), l.dtype) for l in layouts for dim in (l.k_dim, l.v_dim)]
+            load_blocks = functools.partial(kv_disk_cache.load_chain, layout=layout)
+        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_blocks)
         self.max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[int, Request] = {}
         self.texts: dict[int, OutputText] = {}
+        self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
         self._ids = itertools.count()
 
     @classmethod
@@ -103,7 +117,18 @@ class Engine:
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[StreamChunk]:
-        """Run one scheduled forward pass; returns what each sampled request gained."""
+        """Run one scheduled forward pass; returns what each sampled request gained.
+
+        Chunks of requests that ``stream`` or ``generate`` consume are also kept
+        for them, so any number of those can share the engine's steps.
+        """
+        chunks = self._step()
+        for chunk in chunks:
+            if chunk.request_id in self.outbox:
+                self.outbox[chunk.request_id].append(chunk)
+        return chunks
+
+    def _step(self) -> list[StreamChunk]:
         plan = self.scheduler.schedule()
         for request, old_blocks in plan.preempted:
             kept = old_blocks[: -(-request.num_computed // self.blocks.block_size)]
@@ -117,6 +142,9 @@ class Engine:
             table = self.blocks.block_table(request.request_id)
             self.swap.swap_in(request.swap_handle, table[: -(-request.num_computed // self.blocks.block_size)], self.runner)
             request.swap_handle = None
+        if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
+            arrays = zip(*(data for _, data in plan.disk_loads))
+            self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
         if not plan.chunks:
             return []
         tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in plan.chunks}
@@ -146,13 +174,18 @@ class Engine:
 
     def _finish(self, request: Request, reason: str, new_tokens: list[int]) -> StreamChunk:
         request.status, request.finish_reason = Status.FINISHED, reason
+        if self.disk is not None and request.request_id in self.blocks.tables:  # keep its computed full blocks
+            full = self.blocks.block_table(request.request_id)[: request.num_computed // self.blocks.block_size]
+            self.disk.save(request.token_ids, full, self.blocks.block_size, self.runner.read_blocks)
         self.scheduler.remove(request)
         del self.requests[request.request_id]
         text = self.texts.pop(request.request_id, None)
         if text is not None:
             text.finish()
         new_text = text.take(final=True) if text else None
-        return StreamChunk(request.request_id, new_tokens, new_text, reason, request.num_cached_tokens)
+        return StreamChunk(
+            request.request_id, new_tokens, new_text, reason, request.num_cached_tokens, request.num_disk_cached_tokens
+        )
 
     # -- conveniences ---------------------------------------------------------
 
@@ -170,30 +203,40 @@ class Engine:
         for prompt, p in zip(prompts, params):
             rid = self.add_request(prompt, p)
             outputs[rid] = RequestOutput(rid, self.requests[rid].prompt_token_ids, text="" if self.tokenizer else None)
+            self.outbox[rid] = []
         pending = set(outputs)
         try:
             while pending:
-                for chunk in self.step():
-                    if chunk.request_id in outputs:
-                        self._fold(outputs[chunk.request_id], chunk)
+                self.step()
+                for rid in list(pending):
+                    for chunk in self.outbox[rid]:
+                        self._fold(outputs[rid], chunk)
                         if chunk.finish_reason:
-                            pending.discard(chunk.request_id)
+                            pending.discard(rid)
+                    self.outbox[rid] = []
         finally:
-            for rid in pending:
+            for rid in outputs:
+                self.outbox.pop(rid, None)
                 self.abort(rid)
         return list(outputs.values())
 
     def stream(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> Iterator[StreamChunk]:
         """Yield a request's chunks as they come; closing the iterator aborts the request."""
         rid = self.add_request(prompt, params)
+        box = self.outbox[rid] = []
         try:
             while True:
-                for chunk in self.step():
-                    if chunk.request_id == rid:
-                        yield chunk
-                        if chunk.finish_reason:
-                            return
+                if not box:
+                    self.step()
+                    continue
+                chunk = box.pop(0)
+                if chunk.finish_reason:
+                    self.outbox.pop(rid, None)
+                yield chunk
+                if chunk.finish_reason:
+                    return
         finally:
+            self.outbox.pop(rid, None)
             self.abort(rid)
 
     def stats(self) -> dict:
@@ -209,6 +252,7 @@ class Engine:
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
+            "disk_cache_hit_tokens": self.scheduler.disk_hit_tokens,
             "attention_kernel": self.kernel.name,
         }
 
@@ -236,3 +280,4 @@ class Engine:
             output.text += chunk.text
         output.finish_reason = chunk.finish_reason
         output.num_cached_tokens = chunk.num_cached_tokens
+        output.num_disk_cached_tokens = chunk.num_disk_cached_tokens

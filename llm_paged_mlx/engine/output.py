@@ -13,6 +13,7 @@ class StreamChunk:
     text: Optional[str]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when finished)
+    num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
 
 
 @dataclass
@@ -23,6 +24,7 @@ class RequestOutput:
     text: Optional[str] = None
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
 
 
 class OutputText:

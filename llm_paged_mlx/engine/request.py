@@ -60,6 +60,7 @@ class Request:
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
+    num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
 
     @property

@@ -45,10 +45,14 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk]  # single-token chunks first
     preempted: list[tuple[Request, list[int]]] = field(default_factory=list)  # with their old blocks
     swapped_in: list[Request] = field(default_factory=list)
+    disk_loads: list[tuple[int, list]] = field(default_factory=list)  # (block id, its K/V from the disk tier)
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, policy, max_num_seqs: int, max_num_batched_tokens: int):
+    """``load_blocks(parent_hash, blocks_token_ids)``, if given, returns the K/V of the
+    full blocks that follow a cached prefix, as far as the disk tier has them."""
+
+    def __init__(self, blocks: BlockManager, policy, max_num_seqs: int, max_num_batched_tokens: int, load_blocks=None):
         self.blocks = blocks
         self.policy = policy
         self.max_num_seqs = max_num_seqs
@@ -57,6 +61,8 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.load_blocks = load_blocks
+        self.disk_hit_tokens = 0
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -102,12 +108,15 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             rid = request.request_id
+            from_disk = 0
             if request.swap_handle is not None:
                 if self.blocks.append_slots(rid, request.num_computed) is None:
                     return
                 out.swapped_in.append(request)
             else:
                 request.num_computed = self.blocks.allocate_prefix(rid, request.token_ids)
+                from_disk = self._load_from_disk(request, out)
+                request.num_computed += from_disk
             count = min(request.num_pending, budget)
             slots = self.blocks.append_slots(rid, count)
             if slots is None:
@@ -118,11 +127,36 @@ class Scheduler:
             self.waiting.pop(0)
             if not out.swapped_in or out.swapped_in[-1] is not request:
                 request.num_cached_tokens = max(request.num_cached_tokens, request.num_computed)
-                self.prefix_hit_tokens += request.num_computed
+                request.num_disk_cached_tokens = max(request.num_disk_cached_tokens, from_disk)
+                self.prefix_hit_tokens += request.num_computed - from_disk
+                self.disk_hit_tokens += from_disk
             request.status = Status.RUNNING
             self.running.append(request)
             out.chunks.append(ScheduledChunk(request, count, slots))
             budget -= count
+
+    def _load_from_disk(self, request: Request, out: SchedulerOutput) -> int:
+        """Continue the request's cached prefix with full blocks from the disk tier; returns their tokens.
+
+        As for the memory cache, the last prompt token is always left to compute.
+        The blocks enter the prefix cache now; the engine writes their K/V before
+        the forward pass.
+        """
+        if self.load_blocks is None:
+            return 0
+        rid, size, tokens = request.request_id, self.blocks.block_size, request.token_ids
+        starts = range(request.num_computed, len(tokens) - size, size)[: self.blocks.num_free_blocks]
+        if not starts:
+            return 0
+        found = self.load_blocks(self.blocks.prefix_hash(rid), [tokens[s : s + size] for s in starts])
+        loaded = 0
+        for start, data in zip(starts, found):
+            block_id = self.blocks.append_cached_block(rid, tokens[start : start + size])
+            if block_id is None:
+                break
+            out.disk_loads.append((block_id, data))
+            loaded += size
+        return loaded
 
     def _preempt(self, request: Request) -> None:
         self.blocks.free(request.request_id)
