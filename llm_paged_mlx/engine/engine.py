@@ -97,7 +97,8 @@ class Engine:
         if len(token_ids) >= limit:
             where = "the model's context" if limit != capacity else "the whole KV pool"
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit {where} ({limit} tokens)")
-        request = Request(next(self._ids), token_ids, params, max_total_tokens=limit)
+        stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
+        request = Request(next(self._ids), token_ids, params, max_total_tokens=limit, stop_token_ids=frozenset(stops))
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
             self.texts[request.request_id] = OutputText(self.tokenizer, params.stop)
@@ -131,7 +132,7 @@ class Engine:
     def _step(self) -> list[StreamChunk]:
         plan = self.scheduler.schedule()
         for request, old_blocks in plan.preempted:
-            kept = old_blocks[: -(-request.num_computed // self.blocks.block_size)]
+            kept = old_blocks[: self._blocks_for(request.num_computed)]
             request.swap_handle = self.swap.swap_out(kept, self.runner)
             if request.swap_handle is None:
                 request.num_computed = 0
@@ -140,7 +141,7 @@ class Engine:
             self.runner.copy_blocks(copies)
         for request in plan.swapped_in:
             table = self.blocks.block_table(request.request_id)
-            self.swap.swap_in(request.swap_handle, table[: -(-request.num_computed // self.blocks.block_size)], self.runner)
+            self.swap.swap_in(request.swap_handle, table[: self._blocks_for(request.num_computed)], self.runner)
             request.swap_handle = None
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
             arrays = zip(*(data for _, data in plan.disk_loads))
@@ -153,16 +154,17 @@ class Engine:
         tokens = [sample(logits, sampled)] if sampled else []
         self.runner.finish(*tokens)
         for chunk in plan.chunks:
-            chunk.request.num_computed += chunk.num_tokens
-            self.blocks.cache_full_blocks(chunk.request.request_id, chunk.request.token_ids)
+            request, before = chunk.request, chunk.request.num_computed
+            request.num_computed += chunk.num_tokens
+            if request.num_computed // self.blocks.block_size > before // self.blocks.block_size:
+                self.blocks.cache_full_blocks(request.request_id, request.token_ids)
         if not sampled:
             return []
         return [self._append(request, token) for request, token in zip(sampled, tokens[0].tolist())]
 
     def _append(self, request: Request, token: int) -> StreamChunk:
         p = request.params
-        stops = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else self.eos_token_ids)
-        if token in stops:
+        if token in request.stop_token_ids:
             return self._finish(request, "stop", [])
         request.output_token_ids.append(token)
         text = self.texts.get(request.request_id)
@@ -257,6 +259,9 @@ class Engine:
         }
 
     # -- helpers --------------------------------------------------------------
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.blocks.block_size)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -62,10 +62,20 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
+    stop_token_ids: frozenset = frozenset()  # EOS (unless ignored) and SamplingParams.stop_token_ids
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        """``token_ids[start:stop]`` without building the whole list."""
+        split = len(self.prompt_token_ids)
+        if stop <= split:
+            return self.prompt_token_ids[start:stop]
+        if start >= split:
+            return self.output_token_ids[start - split : stop - split]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - split]
 
     @property
     def num_tokens(self) -> int:

@@ -100,7 +100,7 @@ class ModelRunner:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             row = len(tokens)
-            tokens.extend(request.token_ids[start : start + n])
+            tokens.extend(request.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(chunk.slots)
             table = tables[request.request_id]

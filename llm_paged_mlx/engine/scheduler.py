@@ -49,8 +49,11 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """``load_blocks(parent_hash, blocks_token_ids)``, if given, returns the K/V of the
-    full blocks that follow a cached prefix, as far as the disk tier has them."""
+    """Plans each step over the block manager.
+
+    ``load_blocks(parent_hash, blocks_token_ids)``, if given, returns the K/V of
+    the full blocks that follow a cached prefix, as far as the disk tier has them.
+    """
 
     def __init__(self, blocks: BlockManager, policy, max_num_seqs: int, max_num_batched_tokens: int, load_blocks=None):
         self.blocks = blocks
@@ -74,9 +77,6 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.blocks.free(request.request_id)
-
-    def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(chunks=[])
