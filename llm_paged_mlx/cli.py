@@ -125,7 +125,10 @@ def cache_info():
     info = directory_info(kv_disk_dir())
     click.echo(f"{info['directory']}: {info['blocks']} blocks, {info['size_bytes'] / 1e6:.1f} MB")
     for model_id, model in info["models"].items():
-        click.echo(f"  {model_id}: {model['blocks']} blocks, {model['bytes'] / 1e6:.1f} MB")
+        click.echo(
+            f"  {model_id}: {model['blocks']} blocks, {model['bytes'] / 1e6:.1f} MB, "
+            f"{model.get('hits', 0)} blocks reused, {model.get('misses', 0)} lookups ended on disk"
+        )
 
 
 @cache.command(name="clear")

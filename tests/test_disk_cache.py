@@ -369,3 +369,18 @@ def test_smollm2_follow_up_from_disk_after_restart(tmp_path):
     assert in_process.num_cached_tokens >= len(prompt) // BLOCK * BLOCK
     assert from_disk.num_disk_cached_tokens == (len(follow_up) - 1) // BLOCK * BLOCK  # its own first run saved it all
     mx.clear_cache()
+
+
+def test_hit_counts_add_up_across_processes(tmp_path):
+    from llm_paged_mlx.engine.disk_cache import KVDiskCache, clear_directory, directory_info
+
+    for hits, misses in [(3, 1), (2, 0)]:  # two processes' worth of lookups
+        cache = KVDiskCache(tmp_path, "model-a", 1 << 20)
+        cache.hits, cache.misses = hits, misses
+        cache.close()
+        cache.close()  # counted once
+    assert directory_info(tmp_path)["models"]["model-a"] == {"blocks": 0, "bytes": 0, "hits": 5, "misses": 1}
+    (tmp_path / "hits.json").write_text("not json")
+    assert "model-a" not in directory_info(tmp_path)["models"]
+    clear_directory(tmp_path)
+    assert not (tmp_path / "hits.json").exists()

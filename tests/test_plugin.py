@@ -154,6 +154,9 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     prompt = tokenizer.encode(seen_prompts[-1], add_special_tokens=False)
     expected = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=16, sampler=make_sampler(temp=0.0)))
     assert follow_up == expected + "\n" and first.strip()
+    for cache in plugin._DISK_CACHES.values():
+        cache.close()  # as at the exit of the `llm -c` process
+    assert f"{metrics['disk_cache_hit_tokens'] // 16} blocks reused" in ok("paged-mlx", "cache", "info")
     assert ok("paged-mlx", "cache", "clear").startswith("Removed ")
     assert "0 blocks" in ok("paged-mlx", "cache", "info")
 

@@ -34,6 +34,7 @@ FORMAT = "llm-paged-mlx-kv"
 VERSION = "1"
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
+HITS_FILE = "hits.json"  # blocks found and lookups that missed, per model id, over all processes
 STALE_TEMP_S = 3600  # a temporary file this old belongs to a process that died mid-write
 LOW_WATER = 0.9  # eviction goes down to this fraction of the budget
 
@@ -103,6 +104,7 @@ class KVDiskCache:
         self.budget_bytes = budget_bytes
         self.max_pending_bytes = max_pending_bytes
         self.hits = self.misses = self.writes = self.write_errors = self.skipped_writes = 0
+        self._recorded = (0, 0)  # hits and misses already added to HITS_FILE
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # chain hash -> bytes, queued or being written
         self._pending_bytes = 0
@@ -111,6 +113,7 @@ class KVDiskCache:
         self._clock = 0  # the last mtime given, in ns, so that order survives a coarse clock
         self._remove_stale_temps()
         self._size = sum(size for _, size, _ in _block_files(self.directory))
+        atexit.register(self.close)  # a CLI process ends right after its answer
 
     # -- reading (the engine's thread) ------------------------------------------
 
@@ -215,11 +218,31 @@ class KVDiskCache:
         """Wait until every queued block is written (or has failed)."""
         self._queue.join()
 
+    def close(self) -> None:
+        """Finish the writes and add this process's hit counts to the directory's."""
+        self.flush()
+        with self._lock:
+            hits, misses = self.hits - self._recorded[0], self.misses - self._recorded[1]
+            self._recorded = (self.hits, self.misses)
+        if hits or misses:
+            counts = _read_hits(self.directory)
+            entry = counts.setdefault(self.model_id, {"hits": 0, "misses": 0})
+            entry["hits"] += hits
+            entry["misses"] += misses
+            temp = None
+            try:  # counts are a report, not data: a failed write only loses them
+                fd, temp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=".part", dir=self.directory)
+                with open(fd, "w") as file:
+                    json.dump(counts, file)
+                os.replace(temp, self.directory / HITS_FILE)
+            except OSError:
+                if temp:
+                    Path(temp).unlink(missing_ok=True)
+
     def _start_worker(self) -> None:
         if self._worker is None:
             self._worker = threading.Thread(target=self._work, name="kv-disk-cache", daemon=True)
             self._worker.start()
-            atexit.register(self.flush)  # a CLI process ends right after its answer
 
     def _work(self) -> None:
         while True:
@@ -372,16 +395,27 @@ def directory_info(directory) -> dict:
         _model_of([path for path, _ in entries], key): {"blocks": len(entries), "bytes": sum(s for _, s in entries)}
         for key, entries in by_key.items()
     }
+    for model_id, counts in _read_hits(directory).items():
+        models.setdefault(model_id, {"blocks": 0, "bytes": 0}).update(counts)
     total = sum(size for _, size, _ in files)
     return {"directory": str(directory), "size_bytes": total, "blocks": len(files), "models": models}
 
 
 def clear_directory(directory) -> int:
-    """Remove every block file of every model in the directory; returns how many."""
+    """Remove every block file of every model in the directory, and the hit counts; returns how many."""
     files = _block_files(directory) if Path(directory).is_dir() else []
     for path, _, _ in files:
         path.unlink(missing_ok=True)
+    (Path(directory) / HITS_FILE).unlink(missing_ok=True)
     return len(files)
+
+
+def _read_hits(directory) -> dict:
+    try:
+        counts = json.loads((Path(directory) / HITS_FILE).read_text())
+        return counts if isinstance(counts, dict) else {}
+    except (OSError, ValueError):
+        return {}
 
 
 def _model_of(paths: list[Path], key: str) -> str:
