@@ -29,7 +29,8 @@ class Engine:
     ``tokenizer=None`` means prompts are token ids and outputs carry no text.
     ``kv_disk_cache`` adds a disk tier to the prefix cache: finished requests'
     full blocks are saved there and later prompts (in this or another process)
-    read them back instead of computing them.
+    read them back instead of computing them. An engine is driven from one
+    thread (MLX streams belong to the thread that made them).
     """
 
     def __init__(
