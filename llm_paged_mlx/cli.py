@@ -127,7 +127,7 @@ def cache_info():
     for model_id, model in info["models"].items():
         click.echo(
             f"  {model_id}: {model['blocks']} blocks, {model['bytes'] / 1e6:.1f} MB, "
-            f"{model.get('hits', 0)} blocks reused, {model.get('misses', 0)} lookups ended on disk"
+            f"{model.get('hits', 0)} blocks reused, {model.get('misses', 0)} lookups stopped at a block not on disk"
         )
 
 
