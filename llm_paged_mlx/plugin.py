@@ -201,10 +201,8 @@ class _MLXThread:
     def _run(self):
         while True:
             job = self.jobs.get()
-            try:
+            with contextlib.suppress(Exception):  # a caller gone away (a closed event loop) must not stop the thread
                 job()
-            except Exception:  # a caller gone away (a closed event loop) must not stop the thread
-                pass
 
 
 _MLX = _MLXThread()

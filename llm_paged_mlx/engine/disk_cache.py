@@ -12,6 +12,7 @@ budget the least recently used files (by mtime, which a hit refreshes) go first.
 """
 
 import atexit
+import contextlib
 import hashlib
 import json
 import os
@@ -307,11 +308,9 @@ class KVDiskCache:
     def _remove_stale_temps(self) -> None:
         cutoff = time.time() - STALE_TEMP_S
         for path in self.directory.glob(TEMP_PREFIX + "*"):
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 if path.stat().st_mtime < cutoff:
                     path.unlink()
-            except FileNotFoundError:
-                pass
 
     # -- housekeeping -------------------------------------------------------------------
 
@@ -354,18 +353,14 @@ class KVDiskCache:
 
     @staticmethod
     def _touch(path, mtime: int) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
             os.utime(path, ns=(mtime, mtime))
-        except FileNotFoundError:  # evicted meanwhile
-            pass
 
     def _discard(self, path: Path, reason: str) -> None:
         message = f"KV disk cache: {path.name} {reason}; removed it, its tokens are recomputed"
         warnings.warn(message, KVDiskCacheWarning, stacklevel=3)
-        try:
+        with contextlib.suppress(OSError):
             path.unlink(missing_ok=True)
-        except OSError:
-            pass
 
 
 # -- the directory, for any model (what ``llm paged-mlx cache`` shows and clears) ---------
