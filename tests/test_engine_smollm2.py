@@ -85,3 +85,14 @@ def test_text_prompt_answer_and_stop_string(smollm2):
     assert streamed == cut.text
     assert engine.stats()["free_blocks"] == 63
     mx.clear_cache()
+
+
+def test_from_pretrained_loads_dequantized_on_cpu(smollm2):
+    model, tokenizer = smollm2
+    engine = Engine.from_pretrained(str(smollm2_dir()), num_blocks=64)
+    assert not any("Quantized" in type(m).__name__ for _, m in engine.model.named_modules())
+    prompt = chat(tokenizer, "What is the capital of France?")
+    out = engine.generate([prompt], SamplingParams(max_tokens=16))[0]
+    assert (out.token_ids, out.text) == reference(model, tokenizer, prompt, 16)
+    with pytest.raises(ValueError, match="no config.json"):
+        Engine.from_pretrained(str(smollm2_dir().parent))
