@@ -125,7 +125,9 @@ def main():
     model, tokenizer = load_model(args.model, dequantize=True, dtype="float32")
     print(f"# {platform.machine()} {platform.processor() or ''}, mlx {mx.__version__}, device {mx.default_device()}")
     print(f"# {time.strftime('%Y-%m-%d')}, model {Path(args.model).name}, {args.new_tokens} new tokens per request")
-    print(f"engine warm-up: {time_engine(model, tokenizer, prompts_for(tokenizer, 2), 8):.1f} tok/s")
+    warm = prompts_for(tokenizer, 2)  # first runs allocate and load what later runs reuse
+    print(f"warm-up: engine {time_engine(model, tokenizer, warm, 8):.1f} tok/s, "
+          f"BatchGenerator {time_batch_generator(model, warm, 8):.1f} tok/s")
     seq = time_sequential(model, prompts_for(tokenizer, args.sequential_requests), args.new_tokens)
     print(f"{'requests':>8} {'engine tok/s':>13} {'BatchGen tok/s':>15} {'sequential':>11} {'vs BatchGen':>12} {'vs seq':>7}")
     for n in args.concurrency:
