@@ -96,7 +96,7 @@ def test_models_list_shows_paged_models_and_options(user_dir):
     output = ok("models", "list", "--options")
     assert "PagedModel: paged-smollm2" in output and "PagedModel: paged-qwen" in output
     for option in ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "block_size", "kv_budget", "scheduler", "attention_kernel", "prefix_cache"]:
+                   "block_size", "kv_budget", "scheduler", "attention_kernel", "prefix_cache", "kv_disk_budget"]:
         assert f"    {option}: " in output
     assert "KV cache size in bytes" in output
 
@@ -167,6 +167,7 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     ("max_tokens", "zero", ["max_tokens"]),
     ("block_size", "0", ["block_size"]),
     ("kv_budget", "lots", ["'lots' is not a size"]),
+    ("kv_disk_budget", "-1GB", ["'-1GB' is not a size"]),
     ("scheduler", "nosuch", ["unknown scheduler 'nosuch'", "fcfs"]),
     ("attention_kernel", "nosuch", ["unknown attention kernel 'nosuch'", "portable"]),
     ("prefix_cache", "maybe", ["prefix_cache"]),
