@@ -346,6 +346,13 @@ class _Request:
 _DONE = object()
 
 
+def _unwrap(item):
+    """A text from the MLX thread, or the error it sent instead, raised here."""
+    if isinstance(item, BaseException):
+        raise item
+    return item
+
+
 def _record(response, report: dict) -> None:
     if report:
         response.set_usage(input=report["prompt_tokens"], output=report["generated_tokens"])
@@ -383,9 +390,7 @@ class PagedModel(_PagedBase, llm.Model):
         request = self._submit(prompt, items.put)
         try:
             while (item := items.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                yield _unwrap(item)
         finally:
             request.cancelled.set()
         _record(response, request.report)
@@ -398,9 +403,7 @@ class AsyncPagedModel(_PagedBase, llm.AsyncModel):
         request = self._submit(prompt, lambda item: loop.call_soon_threadsafe(items.put_nowait, item))
         try:
             while (item := await items.get()) is not _DONE:
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
+                yield _unwrap(item)
         finally:
             request.cancelled.set()
         _record(response, request.report)
