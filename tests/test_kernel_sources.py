@@ -50,8 +50,11 @@ def test_dialects_define_the_same_names():
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-def test_cuda_rendering_compiles_with_nvcc(tmp_path):
-    """Wraps the CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90."""
+@pytest.mark.parametrize("one", [False, True])
+def test_cuda_rendering_compiles_with_nvcc(tmp_path, one):
+    """Wraps the CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90.
+
+    With ONE (a single partition per row) the partition kernel writes T outputs."""
     header, partition = render(read_template(), CUDA)["partition"]
     _, reduce = render(read_template(), CUDA)["reduce"]
     source = (
@@ -60,9 +63,11 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         + header
         + "using T = __nv_bfloat16;\n"
         "constexpr int D = 128, BS = 16, REP = 4, HPG = 4, PART = 512, NW = 4;\n"
+        f"constexpr bool ONE = {str(one).lower()};\n"
         "__global__ void partition(const T* queries, const T* k_pool, const __grid_constant__ Shape k_pool_shape,\n"
         "    const T* v_pool, const int* block_tables, const __grid_constant__ Shape block_tables_shape,\n"
-        "    const int* context_lens, const float* scale, float* part_out, float* part_m, float* part_l) {\n"
+        f"    const int* context_lens, const float* scale, {'T' if one else 'float'}* part_out, float* part_m,\n"
+        "    float* part_l) {\n"
         + partition
         + "}\n"
         "__global__ void reduce(const float* part_out, const float* part_m, const __grid_constant__ Shape part_m_shape,\n"

@@ -26,7 +26,10 @@ CASES = [
     (mx.float32, 16, 4, 64, 32, [1, 95, 2049]),
     (mx.float32, 8, 1, 256, 16, [600, 9]),
     (mx.float16, 32, 8, 128, 16, [1, 200, 1500]),
-    (mx.float16, 8, 2, 128, 32, [77, 1]),
+    (mx.float16, 8, 2, 128, 32, [77, 1]),  # these four fit one partition: no reduce pass
+    (mx.bfloat16, 16, 8, 128, 16, [1, 100, 512]),
+    (mx.bfloat16, 8, 8, 64, 32, [31, 480]),
+    (mx.float32, 32, 8, 128, 16, [3, 511]),
 ]
 
 
@@ -50,9 +53,9 @@ def test_fused_decode_matches_reference(seed, dtype, q_heads, kv_heads, dim, blo
     assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= LIMIT[dtype]
 
 
-@pytest.mark.parametrize("row_prefill_max_tokens", [0, 1 << 30])
+@pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
 @pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-def test_cuda_kernel_serves_decode_and_prefill_rows(dtype, row_prefill_max_tokens):
+def test_cuda_kernel_serves_decode_and_prefill_rows(dtype, row_prefill_max_reads):
     rng = np.random.default_rng(7)
     plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
         rng, 16, 4, 128, 16, decode_lens=[1, 17, 600], prefills=[(500, 30), (0, 9), (0, 1)], strict=False
@@ -61,12 +64,12 @@ def test_cuda_kernel_serves_decode_and_prefill_rows(dtype, row_prefill_max_token
     k_pool, k_np = cast(np.nan_to_num(k_np), dtype)
     v_pool, v_np = cast(np.nan_to_num(v_np), dtype)
     kernel = CudaKernel()
-    kernel.row_prefill_max_tokens = row_prefill_max_tokens
+    kernel.row_prefill_max_reads = row_prefill_max_reads
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the self-check passes
         out = kernel(q, k_pool, v_pool, plan, 0.1)
     # Long chunks go to MLX's SDPA (portable prefill), which is good to about 1e-4 in float32 on CUDA.
-    limit = LIMIT[dtype] if row_prefill_max_tokens else max(LIMIT[dtype], 2e-4)
+    limit = LIMIT[dtype] if row_prefill_max_reads else max(LIMIT[dtype], 2e-4)
     assert rel_error(out, reference(q_np, k_np, v_np, row_tables, row_lens, 0.1)) <= limit
 
 

@@ -1,10 +1,11 @@
 """Renders the kernel template in ``csrc/`` as Metal or CUDA source for MLX.
 
 The template holds the algorithm once, in C++ that both languages accept. A
-dialect adds two things around it: a header of ``PA_*`` macros and helpers, and
-a prelude at the top of each kernel body that names the thread and threadgroup
-indices ``pa_tid`` and ``pa_group_{x,y,z}`` (Metal only passes the index
-attributes that a body mentions, so they must appear in the body itself).
+dialect adds two things around it: a header of ``PA_*`` macros and helpers
+(``pa_load``, ``pa_store``), and a prelude at the top of each kernel body that
+names the thread and threadgroup indices ``pa_tid`` and ``pa_group_{x,y,z}``
+(Metal only passes the index attributes that a body mentions, so they must
+appear in the body itself).
 """
 
 import re
@@ -49,6 +50,12 @@ __device__ __forceinline__ void pa_load(float* dst, const U* src) {
     }
   }
 }
+
+// Stores v as the element type of dst.
+template <typename P>
+__device__ __forceinline__ void pa_store(P* dst, float v) {
+  *dst = static_cast<P>(v);
+}
 """,
     prelude="""\
 const int pa_tid = int(threadIdx.x);
@@ -75,6 +82,12 @@ inline void pa_load(thread float* dst, const device U* src) {
   for (int i = 0; i < N; ++i) {
     dst[i] = static_cast<float>(src[i]);
   }
+}
+
+// Stores v as the element type of dst.
+template <typename P>
+inline void pa_store(device P* dst, float v) {
+  *dst = static_cast<P>(v);
 }
 """,
     prelude="""\

@@ -36,10 +36,12 @@ class FusedKernel:
     name: str
     dialect: Dialect
     auto_priority = 10
-    # Prefill chunks of at most this many tokens run as single-query rows of the
-    # fused kernel; longer chunks use the portable causal attention (faster from
-    # about 64 tokens on the H200: benchmarks/RESULTS.md).
-    row_prefill_max_tokens = 32
+    compilable = True
+    # A prefill chunk runs as single-query rows of the fused kernel while its
+    # tokens x context length is at most this; larger chunks use the portable
+    # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
+    # context: benchmarks/RESULTS.md).
+    row_prefill_max_reads = 1 << 18
 
     def __init__(
         self,
@@ -58,13 +60,14 @@ class FusedKernel:
         self.portable = PortableKernel()
         self._kernels = None
         self._checked: dict[tuple, bool] = {}
+        self._scales: dict[float, mx.array] = {}
 
     def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float):
         if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1]):
             return self.portable(queries, k_pool, v_pool, plan, scale)
         if not plan.prefills:
             return self.decode(queries, k_pool, v_pool, plan.decode_block_tables, plan.decode_context_lens, scale)
-        if all(c.num_tokens <= self.row_prefill_max_tokens for c in plan.prefills):
+        if all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
             return self.decode(queries, k_pool, v_pool, *plan.row_tables(), scale)
         parts = []
         if plan.num_decode:
@@ -74,6 +77,10 @@ class FusedKernel:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def prefill_as_rows(self, num_tokens: int, context_len: int) -> bool:
+        """Whether a prefill chunk is served best as single-query rows."""
+        return num_tokens * context_len <= self.row_prefill_max_reads
 
     def supports(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
         """Whether these shapes and dtypes are within what the kernel was written for."""
@@ -113,8 +120,9 @@ class FusedKernel:
         threads = self.warps * SIMD
         partition, reduce = self._compiled()
         lens = context_lens.astype(mx.int32)
+        one = parts == 1  # the partition kernel writes the output itself
         part_out, part_m, part_l = partition(
-            inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32), lens, mx.array([scale], mx.float32)],
+            inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32), lens, self._scale(scale)],
             template=[
                 ("T", k_pool.dtype),
                 ("D", dim),
@@ -123,13 +131,16 @@ class FusedKernel:
                 ("HPG", heads_per_group),
                 ("PART", part),
                 ("NW", self.warps),
+                ("ONE", one),
             ],
             grid=(parts * threads, kv_heads * groups, rows),
             threadgroup=(threads, 1, 1),
-            output_shapes=[(rows, q_heads, parts, dim), (rows, q_heads, parts), (rows, q_heads, parts)],
-            output_dtypes=[mx.float32] * 3,
+            output_shapes=[(rows, q_heads, parts, dim)] + [(1,) if one else (rows, q_heads, parts)] * 2,
+            output_dtypes=[k_pool.dtype if one else mx.float32, mx.float32, mx.float32],
             init_value=self.init_value,
         )
+        if one:
+            return part_out
         (out,) = reduce(
             inputs=[part_out, part_m, part_l, lens],
             template=[("T", k_pool.dtype), ("D", dim), ("PART", part)],
@@ -140,6 +151,13 @@ class FusedKernel:
             init_value=self.init_value,
         )
         return out
+
+    def _scale(self, scale: float) -> mx.array:
+        """The scale as a device array, made once per value (a new one each call costs a copy)."""
+        if scale not in self._scales:
+            self._scales[scale] = mx.array([scale], mx.float32)
+            mx.eval(self._scales[scale])
+        return self._scales[scale]
 
     def _compiled(self):
         if self._kernels is None:
@@ -166,7 +184,7 @@ class FusedKernel:
     def _self_check(self, dtype, dim: int, block_size: int, rep: int) -> bool:
         config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
         try:
-            error = self.check_error(dtype, dim, block_size, rep)
+            error = max(self.check_error(dtype, dim, block_size, rep, one_partition=one) for one in (False, True))
         except Exception as exc:  # a compile or launch error: any failure means "don't use it"
             warnings.warn(
                 f"{self.name} paged attention kernel failed for {config} ({exc}); using the portable kernel",
@@ -184,13 +202,15 @@ class FusedKernel:
             return False
         return True
 
-    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2) -> float:
+    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2, one_partition=False) -> float:
         """Relative error of ``decode`` against the portable kernel on random inputs.
 
-        Rows of 1, a block and a bit, and several partitions' worth of tokens;
-        every position a row must not see holds NaN in the fused kernel's pools.
+        Rows of 1, a block and a bit, and several partitions' worth of tokens
+        (and, with ``one_partition``, rows that fit one partition: the kernel
+        without its reduce pass); every position a row must not see holds NaN in
+        the fused kernel's pools.
         """
-        lens = [1, block_size + 3, 2 * self.partition_size + 5]
+        lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
         rows, width = len(lens), -(-max(lens) // block_size)
         num_blocks = rows * width + 1
         key = mx.random.key(0)
