@@ -29,8 +29,10 @@ class Engine:
     ``tokenizer=None`` means prompts are token ids and outputs carry no text.
     ``kv_disk_cache`` adds a disk tier to the prefix cache: finished requests'
     full blocks are saved there and later prompts (in this or another process)
-    read them back instead of computing them. An engine is driven from one
-    thread (MLX streams belong to the thread that made them).
+    read them back instead of computing them. ``compile_steps`` runs steps
+    whose tokens are all single-query rows through ``mx.compile`` (see
+    ``runner``); it needs the kernel to be ``compilable``. An engine is driven
+    from one thread (MLX streams belong to the thread that made them).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         swap_policy: str = "recompute",
         kv_disk_cache: Optional[KVDiskCache] = None,
+        compile_steps: bool = True,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -65,7 +68,7 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel)
+        self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel, compile_steps)
         self.disk = kv_disk_cache
         load_blocks = None
         if kv_disk_cache is not None:  # the shape and dtype of each array of one block, K and V per layer

@@ -1,4 +1,14 @@
-"""The model runner: owns the model and the K/V pools, runs one step's forward pass."""
+"""The model runner: owns the model and the K/V pools, runs one step's forward pass.
+
+A step whose every row is a single query (all decode steps, and prefill steps
+a kernel serves as rows) runs through one ``mx.compile``-d function per
+padded shape: rows and block-table width are rounded up to a few sizes per
+power of two, the padding rows write to and read from the null block, and the
+K/V pools go in and come back as arrays, updated in place. Other steps build
+their graph eagerly. A compiled step replays its trace instead of running the
+model's Python code and fuses elementwise operations: less host work, which is
+most of a GPU step for small models (benchmarks/RESULTS.md).
+"""
 
 from dataclasses import dataclass
 
@@ -12,6 +22,9 @@ from .request import Request
 # Architectures whose Model.__call__ is exactly "body, then tied embedding or lm_head":
 # for them only the rows that are sampled go through the vocabulary projection.
 _BODY_THEN_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
+# Each traced shape keeps its graph (about 3 MB for a 28-layer model): past this many
+# shapes the traces are dropped and shapes are traced again as they come.
+MAX_TRACED_SHAPES = 32
 
 
 @dataclass
@@ -28,8 +41,16 @@ class ScheduledChunk:
         return self.request.num_computed + self.num_tokens == self.request.num_tokens
 
 
+def padded_size(n: int) -> int:
+    """``n`` rounded up to one of four sizes per power of two (exact up to 7): at most 25% more."""
+    step = 1 << max(0, n.bit_length() - 3)
+    return -(-n // step) * step
+
+
 class ModelRunner:
-    def __init__(self, model, layouts: list[LayerLayout], num_blocks: int, block_size: int, kernel):
+    def __init__(
+        self, model, layouts: list[LayerLayout], num_blocks: int, block_size: int, kernel, compile_steps: bool = True
+    ):
         self.model = model
         self.block_size = block_size
         self.caches = [
@@ -38,9 +59,17 @@ class ModelRunner:
         ]
         mx.eval(self.pools())
         self.split = getattr(model, "model_type", None) in _BODY_THEN_HEAD
+        self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
+        self._compiled_rows = None
+        self._traced_shapes: set[tuple[int, int]] = set()
+        self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
 
     def pools(self) -> list[mx.array]:
         return [a for c in self.caches for a in (c.keys, c.values)]
+
+    def _set_pools(self, pools: list[mx.array]) -> None:
+        for cache, keys, values in zip(self.caches, pools[::2], pools[1::2]):
+            cache.keys, cache.values = keys, values
 
     @property
     def kv_bytes(self) -> int:
@@ -71,17 +100,21 @@ class ModelRunner:
         ``chunks`` must list single-token chunks first. The K/V writes stay lazy
         until ``finish`` evaluates them with the sampled tokens.
         """
-        plan, tokens, sample_rows = self._plan(chunks, tables)
-        for cache in self.caches:
-            cache.plan = plan
-        inputs = mx.array(tokens)[:, None]
-        rows = mx.array(sample_rows, dtype=mx.int32)
-        if self.split:
-            hidden = self.model.model(inputs, cache=self.caches)[rows, 0]
-            if self.model.args.tie_word_embeddings:
-                return self.model.model.embed_tokens.as_linear(hidden)
-            return self.model.lm_head(hidden)
-        return self.model(inputs, cache=self.caches)[rows, 0]
+        sample_rows, row = [], 0
+        for chunk in chunks:
+            row += chunk.num_tokens
+            if chunk.completes:
+                sample_rows.append(row - 1)
+        if self.compile_steps and all(self._as_rows(c) for c in chunks):
+            hidden = self._forward_rows(chunks, tables)
+        else:
+            hidden = self._forward_eager(chunks, tables)
+        hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
+        if not self.split:
+            return hidden
+        if self.model.args.tie_word_embeddings:
+            return self.model.model.embed_tokens.as_linear(hidden)
+        return self.model.lm_head(hidden)
 
     def finish(self, *outputs) -> None:
         """Evaluate the step: the given outputs and every pool write."""
@@ -89,8 +122,59 @@ class ModelRunner:
         for cache in self.caches:
             cache.plan = None
 
-    def _plan(self, chunks, tables):
-        tokens, positions, slots, sample_rows = [], [], [], []
+    def _body(self, inputs: mx.array, plan: AttentionPlan) -> mx.array:
+        """The model up to the vocabulary projection (split architectures) or with it."""
+        for cache in self.caches:
+            cache.plan = plan
+        return (self.model.model if self.split else self.model)(inputs, cache=self.caches)
+
+    def _as_rows(self, chunk: ScheduledChunk) -> bool:
+        """Whether the chunk's tokens can be served as single-query rows."""
+        if chunk.num_tokens == 1:
+            return True
+        end = chunk.request.num_computed + chunk.num_tokens
+        return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)
+
+    def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools):
+        """The traced step: every row one query; takes and returns the pools."""
+        self._set_pools(pools)
+        plan = AttentionPlan(self.block_size, positions, slots, tokens.shape[0], block_tables, context_lens)
+        return self._body(tokens[:, None], plan), self.pools()
+
+    def _forward_rows(self, chunks, tables) -> mx.array:
+        num_rows = sum(c.num_tokens for c in chunks)
+        width = max(len(tables[c.request.request_id]) for c in chunks)
+        rows, width = padded_size(num_rows), padded_size(width)
+        # Padding rows: token 0 at position 0, written to and read from the null block.
+        tokens, positions, slots = (np.zeros(rows, dtype=np.int32) for _ in range(3))
+        block_tables = np.zeros((rows, width), dtype=np.int32)
+        context_lens = np.ones(rows, dtype=np.int32)
+        row = 0
+        for chunk in chunks:
+            request, n = chunk.request, chunk.num_tokens
+            start = request.num_computed
+            table = tables[request.request_id]
+            tokens[row : row + n] = request.token_slice(start, start + n)
+            positions[row : row + n] = np.arange(start, start + n)
+            slots[row : row + n] = chunk.slots
+            block_tables[row : row + n, : len(table)] = table
+            context_lens[row : row + n] = np.arange(start + 1, start + n + 1)
+            row += n
+        arrays = (mx.array(a) for a in (tokens, positions, slots, block_tables, context_lens))
+        hidden, pools = self._compiled_for((rows, width))(*arrays, self.pools())
+        self._set_pools(pools)
+        return hidden
+
+    def _compiled_for(self, shape: tuple[int, int]):
+        if shape not in self._traced_shapes:
+            if self._compiled_rows is None or len(self._traced_shapes) >= MAX_TRACED_SHAPES:
+                self._compiled_rows = mx.compile(self._rows_body)  # a new function: the old traces go
+                self._traced_shapes.clear()
+            self._traced_shapes.add(shape)
+        return self._compiled_rows
+
+    def _forward_eager(self, chunks, tables) -> mx.array:
+        tokens, positions, slots = [], [], []
         decode = [c for c in chunks if c.num_tokens == 1]
         width = max((len(tables[c.request.request_id]) for c in decode), default=0)
         decode_tables = np.zeros((len(decode), width), dtype=np.int32)
@@ -112,8 +196,6 @@ class ModelRunner:
             else:
                 used = -(-(start + n) // self.block_size)
                 prefills.append(PrefillChunk(row, n, start + n, mx.array(table[:used], dtype=mx.int32)))
-            if chunk.completes:
-                sample_rows.append(row + n - 1)
         plan = AttentionPlan(
             block_size=self.block_size,
             positions=mx.array(positions, dtype=mx.int32),
@@ -123,4 +205,4 @@ class ModelRunner:
             decode_context_lens=mx.array(decode_lens),
             prefills=prefills,
         )
-        return plan, tokens, sample_rows
+        return self._body(mx.array(tokens)[:, None], plan)

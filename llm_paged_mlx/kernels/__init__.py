@@ -8,6 +8,16 @@ A kernel is an object with:
 - ``__call__(queries, k_pool, v_pool, plan, scale)``: ``queries`` is
   ``(T, Hq, 1, D)``, one row per scheduled token (see ``plan.AttentionPlan``);
   the pools are ``(num_blocks, Hkv, block_size, D)``; returns ``(T, Hq, 1, Dv)``.
+
+Optional:
+
+- ``compilable = True``: ``__call__`` builds its result from MLX operations on
+  its inputs alone (no evaluation, no Python branch on array values), so the
+  engine may trace it with ``mx.compile`` into a step that is replayed for
+  later steps of the same shape. Kernels without it run eagerly.
+- ``prefill_as_rows(num_tokens, context_len) -> bool``: whether a prefill chunk
+  is best served as ``num_tokens`` single-query rows; a step whose chunks all
+  are then reaches the kernel as decode rows only.
 """
 
 from typing import Protocol

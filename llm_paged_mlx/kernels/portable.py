@@ -16,6 +16,7 @@ class PortableKernel:
 
     name = "portable"
     auto_priority = 0
+    compilable = True
 
     def is_available(self) -> bool:
         return True

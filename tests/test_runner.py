@@ -1,0 +1,126 @@
+"""The model runner's compiled row steps: same tokens as mlx-lm and as eager steps, pools updated in place."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+from models import tiny_model
+from test_engine import random_prompts, reference, run_staggered
+
+from llm_paged_mlx import Engine, SamplingParams
+import llm_paged_mlx.engine.runner as runner_module
+from llm_paged_mlx.engine.runner import ModelRunner, padded_size
+from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.portable import PortableKernel
+
+LENGTHS = [1, 3, 15, 16, 17, 40, 90, 5, 9, 33, 64]  # 11 rows decode together: 12 with padding
+
+
+def test_padded_size_rounds_up_by_at_most_a_quarter():
+    assert [padded_size(n) for n in range(1, 9)] == [1, 2, 3, 4, 5, 6, 7, 8]
+    assert [padded_size(n) for n in (9, 10, 17, 33, 64, 65, 100)] == [10, 10, 20, 40, 64, 80, 112]
+    for n in range(1, 5000):
+        assert n <= padded_size(n) <= n * 1.25
+    # few shapes: four per power of two
+    assert len({padded_size(n) for n in range(1025, 2049)}) == 4
+
+
+def count_paths(monkeypatch):
+    """Count the steps that take the compiled row path and the eager path."""
+    counts = {"rows": 0, "eager": 0}
+    for name, key in (("_forward_rows", "rows"), ("_forward_eager", "eager")):
+        original = getattr(ModelRunner, name)
+
+        def counted(self, *args, _original=original, _key=key):
+            counts[_key] += 1
+            return _original(self, *args)
+
+        monkeypatch.setattr(ModelRunner, name, counted)
+    return counts
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "phi3"])  # phi3: the head is not split off
+def test_compiled_and_eager_steps_give_mlx_lm_tokens(arch, monkeypatch):
+    counts = count_paths(monkeypatch)
+    model = tiny_model(arch)
+    prompts = random_prompts(LENGTHS, seed=3)
+    got = {}
+    for compile_steps in (True, False):
+        engine = Engine(model, num_blocks=48, max_num_batched_tokens=64, compile_steps=compile_steps)
+        got[compile_steps] = run_staggered(engine, prompts, SamplingParams(max_tokens=20), first=3)
+        assert engine.stats()["free_blocks"] == 47
+        if compile_steps:
+            assert counts["rows"] > 20 and counts["eager"] > 0  # decode steps compiled, prefill steps not
+            counts.update(rows=0, eager=0)
+        else:
+            assert counts["rows"] == 0
+    assert got[True] == got[False]
+    for prompt, tokens in zip(prompts, got[True]):
+        assert tokens == reference(model, prompt, 20), f"prompt of {len(prompt)} tokens"
+
+
+def test_prefill_chunks_served_as_rows_give_mlx_lm_tokens(monkeypatch):
+    """A kernel that takes prefill chunks as rows gets every step as decode rows, padding included."""
+    counts = count_paths(monkeypatch)
+    monkeypatch.setattr(PortableKernel, "prefill_as_rows", lambda self, n, context: True, raising=False)
+    model = tiny_model("qwen2")
+    prompts = random_prompts(LENGTHS + [300], seed=4)
+    engine = Engine(model, num_blocks=28, max_num_batched_tokens=96)
+    outputs = run_staggered(engine, prompts, SamplingParams(max_tokens=16), first=4)
+    assert counts["eager"] == 0 and counts["rows"] > 0
+    assert engine.stats()["preemptions"] > 0
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == reference(model, prompt, 16), f"prompt of {len(prompt)} tokens"
+
+
+def test_kernels_that_are_not_compilable_run_eagerly(monkeypatch):
+    counts = count_paths(monkeypatch)
+    monkeypatch.setattr(PortableKernel, "compilable", False)
+    model = tiny_model("llama")
+    engine = Engine(model, num_blocks=32)
+    prompts = random_prompts([5, 33], seed=5)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=10))
+    assert not engine.runner.compile_steps and counts["rows"] == 0
+    assert [o.token_ids for o in outputs] == [reference(model, p, 10) for p in prompts]
+
+
+def buffer_address(array: mx.array) -> int:
+    return np.asarray(memoryview(array)).__array_interface__["data"][0]
+
+
+@pytest.mark.parametrize("compile_steps", [True, False])
+def test_steps_update_the_pools_in_place(compile_steps):
+    """A step writes into the pools' own buffers: copying them would cost a pool's size per step."""
+    engine = Engine(tiny_model("llama"), num_blocks=64, compile_steps=compile_steps)
+    for prompt in random_prompts([20, 30, 40], seed=6):
+        engine.add_request(prompt, SamplingParams(max_tokens=30))
+    engine.step()
+    addresses = [buffer_address(pool) for pool in engine.runner.pools()]
+    for _ in range(5):
+        engine.step()
+    assert [buffer_address(pool) for pool in engine.runner.pools()] == addresses
+
+
+def test_fused_kernels_take_short_prefill_chunks_as_rows():
+    kernel = CudaKernel()  # the rule alone: nothing is compiled or run
+    assert kernel.prefill_as_rows(32, 4096) and kernel.prefill_as_rows(160, 160)
+    assert not kernel.prefill_as_rows(128, 4096) and not kernel.prefill_as_rows(16, 32768)
+
+
+def test_traces_are_dropped_past_the_cap(monkeypatch):
+    """Past MAX_TRACED_SHAPES shapes the runner starts a new compiled function; tokens stay right."""
+    monkeypatch.setattr(runner_module, "MAX_TRACED_SHAPES", 2)
+    compiled = []  # every compiled function the runner used
+    compiled_for = ModelRunner._compiled_for
+
+    def recorded(self, shape):
+        compiled.append(compiled_for(self, shape))
+        return compiled[-1]
+
+    monkeypatch.setattr(ModelRunner, "_compiled_for", recorded)
+    model = tiny_model("llama")
+    engine = Engine(model, num_blocks=64)
+    prompts = random_prompts([3, 20, 40, 70], seed=7)
+    outputs = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=1, steps_between=2)
+    assert len(set(map(id, compiled))) >= 3 and 1 <= len(engine.runner._traced_shapes) <= 2
+    for prompt, tokens in zip(prompts, outputs):
+        assert tokens == reference(model, prompt, 40)
