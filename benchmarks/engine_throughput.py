@@ -2,14 +2,18 @@
 
 Meant for a GPU (the H200 runs it through MLX's CUDA backend); it also runs on
 the CPU with ``--small``. Every request generates exactly ``--new-tokens``
-tokens (EOS ignored), so only time differs between the systems; each system
-runs each workload twice and the second, warm run is reported.
+tokens (EOS ignored), so only time differs between the systems. Each system
+runs each workload once to warm up, then ``--rounds`` times in alternation with
+the others (the engine on one Engine, as a server would); medians are reported.
 
-    python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable]
+    python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable] [--eager]
+
+``--eager`` adds a column per kernel with compiled steps turned off.
 """
 
 import argparse
 import random
+import statistics
 import time
 
 import mlx.core as mx
@@ -41,12 +45,23 @@ def prompts_for(n, vocab, seed=0, low=32, high=160):
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def engine_tps(model, prompts, new_tokens, kernel):
-    engine = Engine(model, max_num_seqs=max(64, len(prompts)), attention_kernel=kernel, enable_prefix_caching=False)
-    engine.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-    start = time.perf_counter()
-    outs = engine.generate(prompts, SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start), engine.kernel.name
+def engine_runner(model, prompts, new_tokens, kernel, compile_steps=True):
+    """A function that runs the workload on one engine (kept, as a server would) and returns tokens/s."""
+    engine = Engine(
+        model,
+        max_num_seqs=max(64, len(prompts)),
+        attention_kernel=kernel,
+        enable_prefix_caching=False,
+        compile_steps=compile_steps,
+    )
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+
+    def run():
+        start = time.perf_counter()
+        outs = engine.generate(prompts, params)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+    return run
 
 
 def batch_generator_tps(model, prompts, new_tokens):
@@ -72,6 +87,8 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--kernels", nargs="+", default=["auto", "portable"])
     parser.add_argument("--small", action="store_true", help="a 4-layer model, for the CPU")
+    parser.add_argument("--eager", action="store_true", help="also run each kernel without compiled steps")
+    parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median reported)")
     args = parser.parse_args()
     dtype = mx.float32 if args.small else mx.bfloat16
     model = build_model(SMALL if args.small else QWEN3_0_6B, dtype)
@@ -80,17 +97,27 @@ def main():
           f"{'small' if args.small else 'Qwen3-0.6B-shaped'} {dtype}, {args.new_tokens} new tokens per request")
     single_stream_tps(model, prompts_for(1, vocab)[0], 8)
     print(f"one stream (mlx-lm generate_step): {single_stream_tps(model, prompts_for(1, vocab)[0], args.new_tokens):.1f} tok/s")
-    header = f"{'requests':>8} {'BatchGen':>9}" + "".join(f" {k:>10} {'ratio':>6}" for k in args.kernels)
+    columns = [(k, True) for k in args.kernels] + [(k, False) for k in args.kernels if args.eager]
+    header = f"{'requests':>8} {'BatchGen':>9}" + "".join(
+        f" {k + ('' if c else '/eager'):>14} {'ratio':>6}" for k, c in columns
+    )
     print(header)
     for n in args.concurrency:
         prompts = prompts_for(n, vocab, seed=n)
-        # Each system runs the workload twice and the second run counts: the first pays for
-        # compiling kernels and plans for the workload's shapes (on the GPU, seconds).
-        base = [batch_generator_tps(model, prompts, args.new_tokens) for _ in range(2)][-1]
-        row = f"{n:>8} {base:>9.1f}"
-        for kernel in args.kernels:
-            tps, name = [engine_tps(model, prompts, args.new_tokens, kernel) for _ in range(2)][-1]
-            row += f" {tps:>10.1f} {tps / base:>5.2f}x"
+        systems = {"BatchGen": lambda: batch_generator_tps(model, prompts, args.new_tokens)}
+        for kernel, compile_steps in columns:
+            systems[kernel, compile_steps] = engine_runner(model, prompts, args.new_tokens, kernel, compile_steps)
+        # One warm-up run each (compiling kernels, plans and step traces for the workload's
+        # shapes), then --rounds runs in alternation, so drift of a shared machine hits all alike.
+        for run in systems.values():
+            run()
+        tps = {name: [] for name in systems}
+        for _ in range(args.rounds):
+            for name, run in systems.items():
+                tps[name].append(run())
+        median = {name: statistics.median(t) for name, t in tps.items()}
+        base = median.pop("BatchGen")
+        row = f"{n:>8} {base:>9.1f}" + "".join(f" {v:>14.1f} {v / base:>5.2f}x" for v in median.values())
         print(row, flush=True)
 
 

@@ -7,8 +7,9 @@
 2. Copy bandwidth: ``x * 2`` over 2 GiB of bf16 (bytes read + written).
 3. Decode attention, 32 query / 8 KV heads, D=128, bf16, 16-token blocks scattered at random:
    contiguous SDPA (baseline), gather-then-SDPA, portable, fused, for 8 sequences at 1K-128K
-   context and for 1 and 64 sequences. Each time is the median of 7 runs, each run one
-   ``mx.eval`` of 4 independent calls, divided by 4.
+   context and for 1 and 64 sequences. Each time is the median of 15 runs, each run one
+   ``mx.eval`` of 4 independent calls, divided by 4; the methods of a row are timed in
+   alternation, so drift of the shared machine hits them alike.
 4. Fused variants (warps, partition size, another template) and prefill chunks served as
    rows of the fused kernel vs the portable prefill.
 
@@ -35,14 +36,21 @@ INNER = 4
 
 def timed(fn, runs=7, warmup=2):
     """Median milliseconds per call of ``fn``."""
-    for _ in range(warmup):
-        mx.eval([fn() for _ in range(INNER)])
-    times = []
+    return timed_together({"fn": fn}, runs, warmup)["fn"]
+
+
+def timed_together(fns, runs=15, warmup=2):
+    """Median milliseconds per call of each function, timed in alternation (so drift hits all alike)."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            mx.eval([fn() for _ in range(INNER)])
+    times = {name: [] for name in fns}
     for _ in range(runs):
-        start = time.perf_counter()
-        mx.eval([fn() for _ in range(INNER)])
-        times.append((time.perf_counter() - start) * 1e3 / INNER)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            mx.eval([fn() for _ in range(INNER)])
+            times[name].append((time.perf_counter() - start) * 1e3 / INNER)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def copy_bandwidth(gib=2):
@@ -92,12 +100,15 @@ def bench_decode(batch, context, fused, methods, alt=None):
     for name in ("fused", "portable"):
         out = fns[name]().astype(mx.float32)
         row[f"{name}_err"] = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    runnable = {}
     for name in methods:
         try:
-            row[name] = timed(fns[name])
+            mx.eval(fns[name]())
+            runnable[name] = fns[name]
         except Exception as exc:  # report and go on with the other methods
             row[name] = None
             print(f"  {name} failed at B={batch} ctx={context}: {exc}", flush=True)
+    row.update(timed_together(runnable))
     row["kv_bytes"] = 2 * k.nbytes
     del queries, k_pool, v_pool, tables, lens, k, v, ref, out
     mx.clear_cache()
@@ -106,9 +117,12 @@ def bench_decode(batch, context, fused, methods, alt=None):
 
 def bench_variants(batch, context, variants):
     queries, k_pool, v_pool, tables, lens = make_case(batch, context)
-    out = {}
-    for name, kernel in variants.items():
-        out[name] = timed(lambda: kernel.decode(queries, k_pool, v_pool, tables, lens, DIM**-0.5))
+    out = timed_together(
+        {
+            name: lambda kernel=kernel: kernel.decode(queries, k_pool, v_pool, tables, lens, DIM**-0.5)
+            for name, kernel in variants.items()
+        }
+    )
     del queries, k_pool, v_pool, tables, lens
     mx.clear_cache()
     return out
@@ -131,7 +145,7 @@ def bench_prefill(context, chunk, decode_batch=8):
     result = {}
     for mode, limit in (("rows", 1 << 30), ("portable", 0)):
         kernel = CudaKernel()
-        kernel.row_prefill_max_tokens = limit
+        kernel.row_prefill_max_reads = limit
         result[mode] = timed(lambda: kernel(q, k_pool, v_pool, plan, DIM**-0.5))
     del queries, k_pool, v_pool, tables, q
     mx.clear_cache()
