@@ -124,3 +124,27 @@ def test_traces_are_dropped_past_the_cap(monkeypatch):
     assert len(set(map(id, compiled))) >= 3 and 1 <= len(engine.runner._traced_shapes) <= 2
     for prompt, tokens in zip(prompts, outputs):
         assert tokens == reference(model, prompt, 40)
+
+
+def test_a_failing_step_leaves_the_engine_usable(monkeypatch):
+    """An error while a step is traced reaches the caller; the pools stay real and later steps run."""
+    model = tiny_model("llama")
+    engine = Engine(model, num_blocks=32)
+    good = engine.add_request(random_prompts([12], seed=8)[0], SamplingParams(max_tokens=8))
+    engine.step()  # prefill, eager
+    attend = PortableKernel.__call__
+
+    def failing(self, *args):
+        raise RuntimeError("kernel failed")
+
+    monkeypatch.setattr(PortableKernel, "__call__", failing)
+    with pytest.raises(RuntimeError, match="kernel failed"):
+        engine.step()
+    monkeypatch.setattr(PortableKernel, "__call__", attend)
+    pools = engine.runner.pools()
+    mx.eval(pools)  # placeholders of a trace could not be evaluated
+    assert all(p.shape == pools[0].shape for p in pools)
+    engine.abort(good)
+    prompt = random_prompts([12], seed=9)[0]
+    assert engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids == reference(model, prompt, 8)
+    assert engine.stats()["free_blocks"] == 31

@@ -161,8 +161,13 @@ class ModelRunner:
             context_lens[row : row + n] = np.arange(start + 1, start + n + 1)
             row += n
         arrays = (mx.array(a) for a in (tokens, positions, slots, block_tables, context_lens))
-        hidden, pools = self._compiled_for((rows, width))(*arrays, self.pools())
-        self._set_pools(pools)
+        pools = self.pools()
+        try:
+            hidden, new_pools = self._compiled_for((rows, width))(*arrays, pools)
+        except BaseException:
+            self._set_pools(pools)  # a failed trace must not leave its placeholders in the caches
+            raise
+        self._set_pools(new_pools)
         return hidden
 
     def _compiled_for(self, shape: tuple[int, int]):
