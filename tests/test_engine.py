@@ -279,3 +279,31 @@ def test_interleaved_streams_share_steps_without_losing_chunks():
                 live.discard(i)
     assert got == [reference(model, p, 8 + 3 * i) for i, p in enumerate(prompts)]
     assert engine.stats()["free_blocks"] == 31 and not engine.outbox
+
+
+def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch):
+    """Steady decoding launches each step before reading the last one's tokens. A request that stops
+    or is aborted while a step runs ahead for it loses nothing of its own and takes nothing from others."""
+    ahead = []
+    run_ahead = Engine._run_ahead
+    monkeypatch.setattr(Engine, "_run_ahead", lambda self, launched: ahead.append(1) or run_ahead(self, launched))
+    model = tiny_model("llama")
+    prompts = random_prompts([12, 30, 45, 20], seed=12)
+    full = [reference(model, p, 24) for p in prompts]
+    stop = full[1][6]  # request 1 stops there, mid-run, on a token the others may also make
+    engine = Engine(model, num_blocks=40)
+    params = [SamplingParams(max_tokens=24, stop_token_ids=[stop] if i == 1 else None) for i in range(4)]
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+    outputs = {}
+    while len(outputs.get(ids[3], [])) < 5:
+        collect(engine.step(), outputs)
+    assert engine._in_flight is not None and ahead  # a step is running ahead for request 3 right now
+    engine.abort(ids[3])
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert outputs[ids[0]] == full[0] and outputs[ids[2]] == full[2]
+    assert outputs[ids[1]] == full[1][: full[1].index(stop)]
+    assert outputs[ids[3]] == full[3][: len(outputs[ids[3]])]
+    assert len(ahead) > 10
+    engine.step()  # reads whatever ran ahead for the finished requests
+    assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None

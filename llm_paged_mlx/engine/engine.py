@@ -2,6 +2,7 @@
 
 import functools
 import itertools
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
@@ -13,12 +14,21 @@ from .block_manager import BlockManager
 from .disk_cache import KVDiskCache
 from .output import OutputText, RequestOutput, StreamChunk
 from .request import Request, SamplingParams, Status
-from .runner import ModelRunner
+from .runner import ModelRunner, ScheduledChunk
 from .sampler import sample
 from .scheduler import Scheduler
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_KV_BUDGET = 2 * 1024**3
+
+
+@dataclass
+class _Launched:
+    """A step running on the device: who it samples, their (lazy) tokens, who filled a block."""
+
+    sampled: list[Request]
+    tokens: Optional[mx.array]
+    filled: list[Request]
 
 
 class Engine:
@@ -80,6 +90,7 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
+        self._in_flight: Optional[_Launched] = None  # a step launched on the device, its tokens not yet read
         self._ids = itertools.count()
 
     @classmethod
@@ -122,10 +133,14 @@ class Engine:
     # -- the step -------------------------------------------------------------
 
     def step(self) -> list[StreamChunk]:
-        """Run one scheduled forward pass; returns what each sampled request gained.
+        """Launch one scheduled forward pass; returns what the previous call's pass gave each request.
 
-        Chunks of requests that ``stream`` or ``generate`` consume are also kept
-        for them, so any number of those can share the engine's steps.
+        The device runs a step while the host returns and prepares the next:
+        a step's tokens are read by the following call, which in steady decoding
+        launches its own step first, feeding it those tokens unread. Call it
+        while ``has_unfinished()``. Chunks of requests that ``stream`` or
+        ``generate`` consume are also kept for them, so any number of those can
+        share the engine's steps.
         """
         chunks = self._step()
         for chunk in chunks:
@@ -134,15 +149,21 @@ class Engine:
         return chunks
 
     def _step(self) -> list[StreamChunk]:
+        out = []
+        launched = self._in_flight
+        if launched is not None:
+            if self._can_run_ahead(launched):  # the next step is built before this one is read
+                self._in_flight, out = self._run_ahead(launched)
+                return out
+            self._in_flight = None
+            out = self._read(launched)
         plan = self.scheduler.schedule()
         for request, old_blocks in plan.preempted:
             kept = old_blocks[: self._blocks_for(request.num_computed)]
             request.swap_handle = self.swap.swap_out(kept, self.runner)
             if request.swap_handle is None:
                 request.num_computed = 0
-        copies = self.blocks.take_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
+        self._copy_blocks()
         for request in plan.swapped_in:
             table = self.blocks.block_table(request.request_id)
             self.swap.swap_in(request.swap_handle, table[: self._blocks_for(request.num_computed)], self.runner)
@@ -150,21 +171,89 @@ class Engine:
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
             arrays = zip(*(data for _, data in plan.disk_loads))
             self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
-        if not plan.chunks:
-            return []
-        tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in plan.chunks}
-        logits = self.runner.forward(plan.chunks, tables)
-        sampled = [c.request for c in plan.chunks if c.completes]
-        tokens = [sample(logits, sampled)] if sampled else []
-        self.runner.finish(*tokens)
-        for chunk in plan.chunks:
+        if plan.chunks:
+            self._in_flight = self._build(plan.chunks)
+            self._launch(self._in_flight)
+        return out
+
+    def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> "_Launched":
+        """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them).
+
+        The chunks' tokens count as computed from here on: whatever runs later
+        on the device sees their K/V.
+        """
+        tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in chunks}
+        logits = self.runner.forward(chunks, tables, input_tokens)
+        sampled = [c.request for c in chunks if c.completes]
+        tokens = sample(logits, sampled) if sampled else None
+        filled = []  # requests whose chunk fills a block: cached when the tokens are read
+        for chunk in chunks:
             request, before = chunk.request, chunk.request.num_computed
             request.num_computed += chunk.num_tokens
             if request.num_computed // self.blocks.block_size > before // self.blocks.block_size:
+                filled.append(request)
+        return _Launched(sampled, tokens, filled)
+
+    def _launch(self, step: "_Launched") -> None:
+        """Start a built step on the device; nothing waits for it."""
+        self.runner.launch(*([step.tokens] if step.sampled else []))
+
+    def _read(self, launched: "_Launched") -> list[StreamChunk]:
+        """Wait for a launched step's tokens and hand them to their requests."""
+        for request in launched.filled:
+            if not request.finished:  # finished: aborted, or stopped while this step ran
                 self.blocks.cache_full_blocks(request.request_id, request.token_ids)
-        if not sampled:
+        if not launched.sampled:
             return []
-        return [self._append(request, token) for request, token in zip(sampled, tokens[0].tolist())]
+        tokens = launched.tokens.tolist()
+        return [self._append(r, t) for r, t in zip(launched.sampled, tokens) if not r.finished]
+
+    def _can_run_ahead(self, launched: "_Launched") -> bool:
+        """Whether the next step is surely one decode token for each request ``launched`` sampled.
+
+        Then it can start before their tokens are read: no request waits, every
+        running request was sampled and none reaches a length limit with this
+        token, and blocks and budget cover one more token each (no preemption).
+        """
+        running, sampled = self.scheduler.running, launched.sampled
+        if self.scheduler.waiting or not sampled or len(running) != len(sampled):
+            return False
+        if len(sampled) > self.scheduler.max_num_batched_tokens or set(map(id, running)) != set(map(id, sampled)):
+            return False
+        for request in sampled:
+            if len(request.output_token_ids) + 1 >= request.params.max_tokens:
+                return False
+            if request.num_tokens + 1 >= request.max_total_tokens:
+                return False
+        needed = sum(self.blocks.blocks_needed(r.request_id, 1) for r in sampled)
+        return needed <= self.blocks.num_free_blocks
+
+    def _run_ahead(self, launched: "_Launched") -> tuple["_Launched", list[StreamChunk]]:
+        """Build the next decode step on the launched step's tokens (unread), read those, launch it.
+
+        Reading before launching lets the launched step's graph go, so the next
+        step writes the K/V pools in place; the host built it meanwhile.
+        """
+        for request in launched.sampled:
+            request.output_token_ids.append(-1)  # stands for the token being computed
+        try:
+            plan = self.scheduler.schedule()
+            assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
+            self._copy_blocks()
+            index = {id(r): i for i, r in enumerate(launched.sampled)}
+            rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
+            ahead = self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
+        finally:
+            for request in launched.sampled:
+                request.output_token_ids.pop()  # _read appends the real token (or stops)
+        out = self._read(launched)
+        self._launch(ahead)
+        return ahead, out
+
+    def _copy_blocks(self) -> None:
+        copies = self.blocks.take_copies()
+        if copies:
+            self.runner.copy_blocks(copies)
 
     def _append(self, request: Request, token: int) -> StreamChunk:
         p = request.params

@@ -94,11 +94,13 @@ class ModelRunner:
             cache.keys[rows] = keys
             cache.values[rows] = values
 
-    def forward(self, chunks: list[ScheduledChunk], tables: dict[int, list[int]]) -> mx.array:
+    def forward(self, chunks: list[ScheduledChunk], tables: dict[int, list[int]], input_tokens=None) -> mx.array:
         """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order.
 
-        ``chunks`` must list single-token chunks first. The K/V writes stay lazy
-        until ``finish`` evaluates them with the sampled tokens.
+        ``chunks`` must list single-token chunks first. ``input_tokens``, if
+        given, is the step's tokens as an array (one per row: single-token
+        chunks only), for tokens not yet read back from the device. The K/V
+        writes stay lazy until ``launch`` starts them with the sampled tokens.
         """
         sample_rows, row = [], 0
         for chunk in chunks:
@@ -106,9 +108,9 @@ class ModelRunner:
             if chunk.completes:
                 sample_rows.append(row - 1)
         if self.compile_steps and all(self._as_rows(c) for c in chunks):
-            hidden = self._forward_rows(chunks, tables)
+            hidden = self._forward_rows(chunks, tables, input_tokens)
         else:
-            hidden = self._forward_eager(chunks, tables)
+            hidden = self._forward_eager(chunks, tables, input_tokens)
         hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
         if not self.split:
             return hidden
@@ -116,9 +118,9 @@ class ModelRunner:
             return self.model.model.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)
 
-    def finish(self, *outputs) -> None:
-        """Evaluate the step: the given outputs and every pool write."""
-        mx.eval(*outputs, self.pools())
+    def launch(self, *outputs) -> None:
+        """Start evaluating the step (the given outputs and every pool write) without waiting for it."""
+        mx.async_eval(*outputs, self.pools())
         for cache in self.caches:
             cache.plan = None
 
@@ -141,7 +143,7 @@ class ModelRunner:
         plan = AttentionPlan(self.block_size, positions, slots, tokens.shape[0], block_tables, context_lens)
         return self._body(tokens[:, None], plan), self.pools()
 
-    def _forward_rows(self, chunks, tables) -> mx.array:
+    def _forward_rows(self, chunks, tables, input_tokens) -> mx.array:
         num_rows = sum(c.num_tokens for c in chunks)
         width = max(len(tables[c.request.request_id]) for c in chunks)
         rows, width = padded_size(num_rows), padded_size(width)
@@ -160,7 +162,9 @@ class ModelRunner:
             block_tables[row : row + n, : len(table)] = table
             context_lens[row : row + n] = np.arange(start + 1, start + n + 1)
             row += n
-        arrays = (mx.array(a) for a in (tokens, positions, slots, block_tables, context_lens))
+        arrays = [mx.array(a) for a in (tokens, positions, slots, block_tables, context_lens)]
+        if input_tokens is not None:
+            arrays[0] = mx.pad(input_tokens, (0, rows - num_rows))
         pools = self.pools()
         try:
             hidden, new_pools = self._compiled_for((rows, width))(*arrays, pools)
@@ -178,7 +182,7 @@ class ModelRunner:
             self._traced_shapes.add(shape)
         return self._compiled_rows
 
-    def _forward_eager(self, chunks, tables) -> mx.array:
+    def _forward_eager(self, chunks, tables, input_tokens) -> mx.array:
         tokens, positions, slots = [], [], []
         decode = [c for c in chunks if c.num_tokens == 1]
         width = max((len(tables[c.request.request_id]) for c in decode), default=0)
@@ -210,4 +214,5 @@ class ModelRunner:
             decode_context_lens=mx.array(decode_lens),
             prefills=prefills,
         )
-        return self._body(mx.array(tokens)[:, None], plan)
+        inputs = mx.array(tokens) if input_tokens is None else input_tokens
+        return self._body(inputs[:, None], plan)
