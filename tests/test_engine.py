@@ -282,8 +282,8 @@ def test_interleaved_streams_share_steps_without_losing_chunks():
 
 
 def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch):
-    """Steady decoding launches each step before reading the last one's tokens. A request that stops
-    or is aborted while a step runs ahead for it loses nothing of its own and takes nothing from others."""
+    """Steady decoding builds each step on the last one's unread tokens. A request that stops or is
+    aborted while a step runs ahead for it loses nothing of its own and takes nothing from others."""
     ahead = []
     run_ahead = Engine._run_ahead
     monkeypatch.setattr(Engine, "_run_ahead", lambda self, launched: ahead.append(1) or run_ahead(self, launched))
