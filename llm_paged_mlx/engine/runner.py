@@ -111,7 +111,11 @@ class ModelRunner:
             hidden = self._forward_rows(chunks, tables, input_tokens)
         else:
             hidden = self._forward_eager(chunks, tables, input_tokens)
-        hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
+        count = len(sample_rows)
+        if count == 0 or sample_rows[-1] == count - 1:  # rows 0..count-1 (decode steps): a slice, no gather
+            hidden = hidden[:count, 0]
+        else:
+            hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
         if not self.split:
             return hidden
         if self.model.args.tie_word_embeddings:
@@ -150,21 +154,23 @@ class ModelRunner:
         # Padding rows: token 0 at position 0, written to and read from the null block.
         tokens, positions, slots = (np.zeros(rows, dtype=np.int32) for _ in range(3))
         block_tables = np.zeros((rows, width), dtype=np.int32)
-        context_lens = np.ones(rows, dtype=np.int32)
         row = 0
         for chunk in chunks:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             table = tables[request.request_id]
-            tokens[row : row + n] = request.token_slice(start, start + n)
+            if input_tokens is None:
+                tokens[row : row + n] = request.token_slice(start, start + n)
             positions[row : row + n] = np.arange(start, start + n)
             slots[row : row + n] = chunk.slots
             block_tables[row : row + n, : len(table)] = table
-            context_lens[row : row + n] = np.arange(start + 1, start + n + 1)
             row += n
-        arrays = [mx.array(a) for a in (tokens, positions, slots, block_tables, context_lens)]
-        if input_tokens is not None:
-            arrays[0] = mx.pad(input_tokens, (0, rows - num_rows))
+        if input_tokens is None:
+            input_tokens = mx.array(tokens)
+        else:
+            input_tokens = mx.pad(input_tokens, (0, rows - num_rows))
+        # Each row sees its context up to and including its own position.
+        arrays = [input_tokens] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
         pools = self.pools()
         try:
             hidden, new_pools = self._compiled_for((rows, width))(*arrays, pools)
