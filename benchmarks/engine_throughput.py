@@ -5,6 +5,9 @@ the CPU with ``--small``. Every request generates exactly ``--new-tokens``
 tokens (EOS ignored), so only time differs between the systems. Each system
 runs each workload once to warm up, then ``--rounds`` times in alternation with
 the others (the engine on one Engine, as a server would); medians are reported.
+The engine's K/V pool holds ``--kv-gib`` GiB (the default holds every workload
+here, so nothing is preempted; BatchGenerator grows its caches as it needs);
+preemptions are printed if any happen.
 
     python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable] [--eager]
 
@@ -45,10 +48,11 @@ def prompts_for(n, vocab, seed=0, low=32, high=160):
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def engine_runner(model, prompts, new_tokens, kernel, compile_steps=True):
+def engine_runner(model, prompts, new_tokens, kernel, compile_steps=True, kv_bytes=8 << 30):
     """A function that runs the workload on one engine (kept, as a server would) and returns tokens/s."""
     engine = Engine(
         model,
+        kv_budget_bytes=kv_bytes,
         max_num_seqs=max(64, len(prompts)),
         attention_kernel=kernel,
         enable_prefix_caching=False,
@@ -61,6 +65,7 @@ def engine_runner(model, prompts, new_tokens, kernel, compile_steps=True):
         outs = engine.generate(prompts, params)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
 
+    run.engine = engine
     return run
 
 
@@ -89,6 +94,7 @@ def main():
     parser.add_argument("--small", action="store_true", help="a 4-layer model, for the CPU")
     parser.add_argument("--eager", action="store_true", help="also run each kernel without compiled steps")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median reported)")
+    parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
     args = parser.parse_args()
     dtype = mx.float32 if args.small else mx.bfloat16
     model = build_model(SMALL if args.small else QWEN3_0_6B, dtype)
@@ -106,7 +112,9 @@ def main():
         prompts = prompts_for(n, vocab, seed=n)
         systems = {"BatchGen": lambda: batch_generator_tps(model, prompts, args.new_tokens)}
         for kernel, compile_steps in columns:
-            systems[kernel, compile_steps] = engine_runner(model, prompts, args.new_tokens, kernel, compile_steps)
+            systems[kernel + ("" if compile_steps else "/eager")] = engine_runner(
+                model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30)
+            )
         # One warm-up run each (compiling kernels, plans and step traces for the workload's
         # shapes), then --rounds runs in alternation, so drift of a shared machine hits all alike.
         for run in systems.values():
@@ -118,7 +126,8 @@ def main():
         median = {name: statistics.median(t) for name, t in tps.items()}
         base = median.pop("BatchGen")
         row = f"{n:>8} {base:>9.1f}" + "".join(f" {v:>14.1f} {v / base:>5.2f}x" for v in median.values())
-        print(row, flush=True)
+        preempted = {name: run.engine.stats()["preemptions"] for name, run in systems.items() if hasattr(run, "engine")}
+        print(row + "".join(f"  ({name}: {p} preemptions)" for name, p in preempted.items() if p), flush=True)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,10 @@ def test_compiled_and_eager_steps_give_mlx_lm_tokens(arch, monkeypatch):
     prompts = random_prompts(LENGTHS, seed=3)
     got = {}
     for compile_steps in (True, False):
-        engine = Engine(model, num_blocks=48, max_num_batched_tokens=64, compile_steps=compile_steps)
+        # The portable kernel takes no prefill chunk as rows (fused kernels would take these short ones).
+        engine = Engine(
+            model, num_blocks=48, max_num_batched_tokens=64, attention_kernel="portable", compile_steps=compile_steps
+        )
         got[compile_steps] = run_staggered(engine, prompts, SamplingParams(max_tokens=20), first=3)
         assert engine.stats()["free_blocks"] == 47
         if compile_steps:
@@ -64,7 +67,7 @@ def test_prefill_chunks_served_as_rows_give_mlx_lm_tokens(monkeypatch):
     monkeypatch.setattr(PortableKernel, "prefill_as_rows", lambda self, n, context: True, raising=False)
     model = tiny_model("qwen2")
     prompts = random_prompts(LENGTHS + [300], seed=4)
-    engine = Engine(model, num_blocks=28, max_num_batched_tokens=96)
+    engine = Engine(model, num_blocks=28, max_num_batched_tokens=96, attention_kernel="portable")
     outputs = run_staggered(engine, prompts, SamplingParams(max_tokens=16), first=4)
     assert counts["eager"] == 0 and counts["rows"] > 0
     assert engine.stats()["preemptions"] > 0
@@ -76,7 +79,7 @@ def test_kernels_that_are_not_compilable_run_eagerly(monkeypatch):
     counts = count_paths(monkeypatch)
     monkeypatch.setattr(PortableKernel, "compilable", False)
     model = tiny_model("llama")
-    engine = Engine(model, num_blocks=32)
+    engine = Engine(model, num_blocks=32, attention_kernel="portable")
     prompts = random_prompts([5, 33], seed=5)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=10))
     assert not engine.runner.compile_steps and counts["rows"] == 0
@@ -129,7 +132,7 @@ def test_traces_are_dropped_past_the_cap(monkeypatch):
 def test_a_failing_step_leaves_the_engine_usable(monkeypatch):
     """An error while a step is traced reaches the caller; the pools stay real and later steps run."""
     model = tiny_model("llama")
-    engine = Engine(model, num_blocks=32)
+    engine = Engine(model, num_blocks=32, attention_kernel="portable")
     good = engine.add_request(random_prompts([12], seed=8)[0], SamplingParams(max_tokens=8))
     engine.step()  # prefill, eager
     attend = PortableKernel.__call__

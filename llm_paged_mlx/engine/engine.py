@@ -199,7 +199,13 @@ class Engine:
         self.runner.launch(*([step.tokens] if step.sampled else []))
 
     def _read(self, launched: "_Launched") -> list[StreamChunk]:
-        """Wait for a launched step's tokens and hand them to their requests."""
+        """Wait for a launched step to end and hand its tokens to their requests.
+
+        A GPU backend holds a step's input buffers until its completion handler
+        runs, shortly after the step ends; a pool still held then would make the
+        next step's writes copy it. Synchronizing waits for the handler too.
+        """
+        mx.synchronize()
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
                 self.blocks.cache_full_blocks(request.request_id, request.token_ids)
