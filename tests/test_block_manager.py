@@ -95,6 +95,21 @@ def test_free_returns_every_block_and_a_second_free_is_a_no_op():
     assert all(block.ref_count == 0 for block in bm.blocks)
 
 
+def test_truncate_gives_back_slots_past_the_end_and_the_same_slots_come_again():
+    bm = BlockManager(8, 4)
+    add(bm, "a", list(range(6)))  # one full (hashed) block and two tokens
+    free = bm.num_free_blocks
+    taken = bm.append_slots("a", 7)  # tokens 6-12: two more blocks
+    assert bm.num_free_blocks == free - 2
+    bm.truncate("a", 6)
+    assert bm.num_free_blocks == free and bm.num_tokens("a") == 6 and len(bm.block_table("a")) == 2
+    assert bm.append_slots("a", 7)[:2] == taken[:2]  # the partial block is kept
+    with pytest.raises(ValueError, match="cannot truncate"):
+        bm.truncate("a", 3)  # into the hashed block
+    with pytest.raises(ValueError, match="cannot truncate"):
+        bm.truncate("a", 14)  # past its slots
+
+
 def test_unref_of_a_free_block_raises():
     bm = BlockManager(4, 2)
     bm.append_slots("a", 1)

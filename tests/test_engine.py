@@ -307,3 +307,36 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch):
     assert len(ahead) > 10
     engine.step()  # reads whatever ran ahead for the finished requests
     assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None
+
+
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_an_interrupt_while_a_step_is_read_loses_nothing(monkeypatch, run_ahead):
+    """Ctrl-C lands where the host waits: in reading a step. The next call reads it again, a step
+    built ahead of it is dropped with its slots, and every request still gets mlx-lm's tokens."""
+    from llm_paged_mlx.engine import engine as engine_module
+
+    model = tiny_model("llama")
+    prompts = random_prompts([14, 31, 9], seed=13)
+    engine = Engine(model, num_blocks=40)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts[:2]]
+    outputs = {}
+    for _ in range(4):
+        collect(engine.step(), outputs)
+    if not run_ahead:  # a waiting request: the next step is scheduled after reading this one
+        ids.append(engine.add_request(prompts[2], SamplingParams(max_tokens=12)))
+    free = engine.stats()["free_blocks"]
+    synchronize = mx.synchronize
+
+    def interrupted():
+        monkeypatch.setattr(engine_module.mx, "synchronize", synchronize)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(engine_module.mx, "synchronize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    assert engine.stats()["free_blocks"] == free  # nothing scheduled after the read kept its slots
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert [outputs[i] for i in ids] == [reference(model, p, 12) for p in prompts[: len(ids)]]
+    engine.step()
+    assert engine.stats()["free_blocks"] == 39

@@ -129,12 +129,19 @@ def test_traces_are_dropped_past_the_cap(monkeypatch):
         assert tokens == reference(model, prompt, 40)
 
 
-def test_a_failing_step_leaves_the_engine_usable(monkeypatch):
-    """An error while a step is traced reaches the caller; the pools stay real and later steps run."""
+@pytest.mark.parametrize("run_ahead", [True, False])
+def test_a_failing_step_leaves_the_engine_usable(monkeypatch, run_ahead):
+    """An error while a step is built reaches the caller; the pools stay real, the step's requests
+    give back its slots, and they (and later requests) go on to mlx-lm's tokens."""
     model = tiny_model("llama")
     engine = Engine(model, num_blocks=32, attention_kernel="portable")
-    good = engine.add_request(random_prompts([12], seed=8)[0], SamplingParams(max_tokens=8))
+    prompts = random_prompts([15, 12, 7], seed=8)
+    params = SamplingParams(max_tokens=8)
+    first = engine.add_request(prompts[0], params)
     engine.step()  # prefill, eager
+    if not run_ahead:  # a waiting request: the next step is scheduled after reading this one
+        engine.add_request(prompts[1], params)
+    free_before = engine.stats()["free_blocks"]
     attend = PortableKernel.__call__
 
     def failing(self, *args):
@@ -142,12 +149,16 @@ def test_a_failing_step_leaves_the_engine_usable(monkeypatch):
 
     monkeypatch.setattr(PortableKernel, "__call__", failing)
     with pytest.raises(RuntimeError, match="kernel failed"):
-        engine.step()
+        engine.step()  # decode: position 15 takes a new block, given back when the step fails
     monkeypatch.setattr(PortableKernel, "__call__", attend)
     pools = engine.runner.pools()
     mx.eval(pools)  # placeholders of a trace could not be evaluated
     assert all(p.shape == pools[0].shape for p in pools)
-    engine.abort(good)
-    prompt = random_prompts([12], seed=9)[0]
-    assert engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids == reference(model, prompt, 8)
+    assert engine.stats()["free_blocks"] == free_before  # the slots taken for the failed step are back
+    outputs = {}
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            outputs.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+    assert outputs[first] == reference(model, prompts[0], 8)
+    assert engine.generate([prompts[2]], params)[0].token_ids == reference(model, prompts[2], 8)
     assert engine.stats()["free_blocks"] == 31

@@ -219,6 +219,17 @@ class BlockManager:
         self.lengths[child_id] = self.lengths[parent_id]
         self.hashed[child_id] = self.hashed[parent_id]
 
+    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
+        """Give back the sequence's slots past its first ``num_tokens`` (taken for a step that never ran)."""
+        table = self.tables[seq_id]
+        if not self.hashed[seq_id][0] * self.block_size <= num_tokens <= self.lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens")
+        keep = -(-num_tokens // self.block_size)
+        for block_id in reversed(table[keep:]):
+            self._unref(block_id)
+        del table[keep:]
+        self.lengths[seq_id] = num_tokens
+
     def free(self, seq_id: Hashable) -> None:
         """Return the sequence's blocks; the tail is evicted first, the cached prefix last."""
         for block_id in reversed(self.tables.pop(seq_id, [])):

@@ -91,6 +91,7 @@ class Engine:
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
         self._in_flight: Optional[_Launched] = None  # a step launched on the device, its tokens not yet read
+        self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
         self._ids = itertools.count()
 
     @classmethod
@@ -140,23 +141,25 @@ class Engine:
         launches its own step first, feeding it those tokens unread. Call it
         while ``has_unfinished()``. Chunks of requests that ``stream`` or
         ``generate`` consume are also kept for them, so any number of those can
-        share the engine's steps.
+        share the engine's steps. If building a step fails or waiting for one
+        is interrupted, the error is raised with the engine's books intact; what
+        was read before it comes with the next call.
         """
-        chunks = self._step()
+        self._step()
+        chunks, self._ready = self._ready, []
         for chunk in chunks:
             if chunk.request_id in self.outbox:
                 self.outbox[chunk.request_id].append(chunk)
         return chunks
 
-    def _step(self) -> list[StreamChunk]:
-        out = []
+    def _step(self) -> None:
         launched = self._in_flight
         if launched is not None:
             if self._can_run_ahead(launched):  # the next step is built before this one is read
-                self._in_flight, out = self._run_ahead(launched)
-                return out
+                self._in_flight = self._run_ahead(launched)
+                return
+            self._read(launched)
             self._in_flight = None
-            out = self._read(launched)
         plan = self.scheduler.schedule()
         for request, old_blocks in plan.preempted:
             kept = old_blocks[: self._blocks_for(request.num_computed)]
@@ -174,18 +177,22 @@ class Engine:
         if plan.chunks:
             self._in_flight = self._build(plan.chunks)
             self._launch(self._in_flight)
-        return out
 
     def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> "_Launched":
         """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them).
 
         The chunks' tokens count as computed from here on: whatever runs later
-        on the device sees their K/V.
+        on the device sees their K/V. If building fails, the requests give back
+        the slots scheduled for the chunks and the engine carries on without the step.
         """
         tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in chunks}
-        logits = self.runner.forward(chunks, tables, input_tokens)
         sampled = [c.request for c in chunks if c.completes]
-        tokens = sample(logits, sampled) if sampled else None
+        try:
+            logits = self.runner.forward(chunks, tables, input_tokens)
+            tokens = sample(logits, sampled) if sampled else None
+        except BaseException:  # the step never runs: its requests give back the slots it took
+            self._give_back_slots(chunks)
+            raise
         filled = []  # requests whose chunk fills a block: cached when the tokens are read
         for chunk in chunks:
             request, before = chunk.request, chunk.request.num_computed
@@ -198,21 +205,19 @@ class Engine:
         """Start a built step on the device; nothing waits for it."""
         self.runner.launch(*([step.tokens] if step.sampled else []))
 
-    def _read(self, launched: "_Launched") -> list[StreamChunk]:
-        """Wait for a launched step to end and hand its tokens to their requests.
+    def _read(self, launched: "_Launched") -> None:
+        """Wait for a launched step to end and hand its tokens to their requests (chunks to ``_ready``).
 
         A GPU backend holds a step's input buffers until its completion handler
         runs, shortly after the step ends; a pool still held then would make the
         next step's writes copy it. Synchronizing waits for the handler too.
         """
         mx.synchronize()
+        tokens = launched.tokens.tolist() if launched.sampled else []
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
                 self.blocks.cache_full_blocks(request.request_id, request.token_ids)
-        if not launched.sampled:
-            return []
-        tokens = launched.tokens.tolist()
-        return [self._append(r, t) for r, t in zip(launched.sampled, tokens) if not r.finished]
+        self._ready += [self._append(r, t) for r, t in zip(launched.sampled, tokens) if not r.finished]
 
     def _can_run_ahead(self, launched: "_Launched") -> bool:
         """Whether the next step is surely one decode token for each request ``launched`` sampled.
@@ -234,7 +239,7 @@ class Engine:
         needed = sum(self.blocks.blocks_needed(r.request_id, 1) for r in sampled)
         return needed <= self.blocks.num_free_blocks
 
-    def _run_ahead(self, launched: "_Launched") -> tuple["_Launched", list[StreamChunk]]:
+    def _run_ahead(self, launched: "_Launched") -> "_Launched":
         """Build the next decode step on the launched step's tokens (unread), read those, launch it.
 
         Reading before launching lets the launched step's graph go, so the next
@@ -252,9 +257,22 @@ class Engine:
         finally:
             for request in launched.sampled:
                 request.output_token_ids.pop()  # _read appends the real token (or stops)
-        out = self._read(launched)
+        try:
+            self._read(launched)
+        except BaseException:
+            # Interrupted while waiting: the next call reads the launched step again. The step built
+            # ahead is dropped; its K/V writes, already in the pools' lazy graph, are harmless.
+            for chunk in plan.chunks:
+                chunk.request.num_computed -= chunk.num_tokens
+            self._give_back_slots(plan.chunks)
+            raise
         self._launch(ahead)
-        return ahead, out
+        return ahead
+
+    def _give_back_slots(self, chunks: list[ScheduledChunk]) -> None:
+        """Return the slots scheduled for chunks that will not run."""
+        for chunk in chunks:
+            self.blocks.truncate(chunk.request.request_id, chunk.request.num_computed)
 
     def _copy_blocks(self) -> None:
         copies = self.blocks.take_copies()
