@@ -86,7 +86,7 @@ def single_stream_tps(model, prompt, new_tokens):
     return count / (time.perf_counter() - start)
 
 
-def main():
+def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -95,7 +95,7 @@ def main():
     parser.add_argument("--eager", action="store_true", help="also run each kernel without compiled steps")
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median reported)")
     parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     model = build_model(SMALL if args.small else QWEN3_0_6B, dtype)
     vocab = model.args.vocab_size

@@ -1,6 +1,6 @@
 """Checks and times paged decode attention on an MLX CUDA GPU (one command on the H200).
 
-    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick]
+    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick] [--engine]
 
 1. Correctness: the fused CUDA kernel against the portable kernel (float32) per dtype / head dim /
    block size / GQA ratio, with every position a row must not see set to NaN.
@@ -12,8 +12,10 @@
    alternation, so drift of the shared machine hits them alike.
 4. Fused variants (warps, partition size, another template) and prefill chunks served as
    rows of the fused kernel vs the portable prefill.
+5. With ``--engine``: then the end-to-end comparison of ``engine_throughput.py`` (the engine
+   vs mlx-lm's BatchGenerator at 16 and 64 requests), so one command checks and times it all.
 
-The last lines printed are the result table.
+The last lines printed are the result table (followed by the engine's with ``--engine``).
 """
 
 import argparse
@@ -23,6 +25,7 @@ import os
 import statistics
 import time
 
+import engine_throughput  # this folder (a script's own directory is on sys.path)
 import mlx.core as mx
 
 from llm_paged_mlx.kernels.fused import CudaKernel
@@ -156,6 +159,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--alt-template", help="also time the fused kernel built from this template")
+    parser.add_argument("--engine", action="store_true", help="then run engine_throughput.py at 16 and 64 requests")
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "mlx": mx.__version__}
     try:
@@ -235,6 +239,11 @@ def main():
             f" {cell('fused')}  {r['fused'] / r['sdpa']:9.2f}  {tbps:9.2f}  {100 * tbps / report['copy_tbps']:5.0f}%"
             f"  {r['fused_err']:.0e}  {cell('alt')}"
         )
+
+
+    if args.engine:
+        print()
+        engine_throughput.main(["--concurrency", "16", "64", "--kernels", "auto"])
 
 
 if __name__ == "__main__":
