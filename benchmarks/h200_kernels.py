@@ -240,7 +240,6 @@ def main():
             f"  {r['fused_err']:.0e}  {cell('alt')}"
         )
 
-
     if args.engine:
         print()
         engine_throughput.main(["--concurrency", "16", "64", "--kernels", "auto"])
