@@ -417,6 +417,29 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.grow(self.pick(data), new_tokens)
 
     @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), count=st.integers(1, 6))
+    def abandoned_append(self, data, count):
+        """Slots taken for a step that never ran, then given back with ``truncate``."""
+        seq, bm = self.pick(data), self.bm
+        length, old_table = bm.num_tokens(seq), list(bm.block_table(seq))
+        if bm.append_slots(seq, count) is None:
+            return
+        table = list(bm.block_table(seq))
+        for src, dst in bm.take_copies():  # a copy-on-write copy was made before the step failed
+            self.kv[dst] = list(self.kv[src])
+        allocated = [block for block in table if block not in old_table]
+        assert allocated == self.free_order[: len(allocated)]
+        self.free_order = self.free_order[len(allocated) :]
+        for block in allocated:
+            prefix = self.block_prefix.pop(block, None)
+            if prefix is not None:
+                del self.prefix_blocks[prefix]
+        bm.truncate(seq, length)
+        keep = len(old_table)
+        assert bm.block_table(seq) == table[:keep] and bm.num_tokens(seq) == length
+        self.free_order += list(reversed(table[keep:]))  # given back, the tail first
+
+    @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def fork(self, data):
         parent = self.pick(data)
