@@ -48,7 +48,7 @@ def prompts_for(n, vocab, seed=0, low=32, high=160):
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def engine_runner(model, prompts, new_tokens, kernel, compile_steps=True, kv_bytes=8 << 30):
+def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes):
     """A function that runs the workload on one engine (kept, as a server would) and returns tokens/s."""
     engine = Engine(
         model,
