@@ -31,13 +31,15 @@ import mlx.core as mx  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
-from llm_paged_mlx.engine.disk_cache import KVDiskCache, model_identity  # noqa: E402
+from llm_paged_mlx.engine.disk.store import KVDiskCache  # noqa: E402
+from llm_paged_mlx.models.identity import model_identity  # noqa: E402
 from llm_paged_mlx.models.loading import load_model  # noqa: E402
 
 IMPORTED = time.time()
 KV_BUDGET = 1024**3
 ANSWER_TOKENS = 32
 FOLLOW_UP_TOKENS = 8  # EOS ignored, so that every way gives (and compares) as many tokens
+DIGESTS = "weight-digests.json"  # where model_identity keeps the weight files' digests
 WORDS = (
     "harbor lantern keeper river stone window garden winter morning letter candle bridge forest engine "
     "copper valley signal market orchard thunder journey station compass meadow island ribbon mirror "
@@ -82,7 +84,8 @@ def child(args):
     model, tokenizer = load_model(args.model, dequantize=True, dtype="float32")
     mx.eval(model.parameters())  # mlx loads (and dequantizes) lazily: count it in the load, not the TTFT
     loaded = time.time()
-    cache = KVDiskCache(args.disk, model_identity(args.model, dtype="float32"))
+    digests = Path(args.disk).parent / DIGESTS  # as a later llm process finds them
+    cache = KVDiskCache(args.disk, model_identity(args.model, digests, dtype="float32"))
     engine = Engine(model, tokenizer, kv_budget_bytes=KV_BUDGET, kv_disk_cache=cache)
     ready = time.time()
     ttft, tokens, cached, from_disk = time_to_first_token(engine, json.loads(Path(args.prompt).read_text()))
@@ -158,7 +161,6 @@ def main():
     if args.child:
         return child(args)
     model, tokenizer = load_model(args.model, dequantize=True, dtype="float32")
-    model_id = model_identity(args.model, dtype="float32")
     print(f"# {platform.machine()}, {os.cpu_count()} cores, mlx {mx.__version__}, device {mx.default_device()}, "
           f"{time.strftime('%Y-%m-%d %H:%M')}, load average {os.getloadavg()[0]:.1f}")
     print(f"# {Path(args.model).name} fp32, {FOLLOW_UP_TOKENS} tokens per follow-up, KV pool {KV_BUDGET >> 20} MiB")
@@ -167,6 +169,7 @@ def main():
           "| speed-up | new process: start+imports / model load / engine | on disk | same tokens |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as workdir:
+        model_id = model_identity(args.model, Path(workdir) / DIGESTS, dtype="float32")
         for history_tokens in args.history:
             r = one_history(args, model, tokenizer, model_id, history_tokens, Path(workdir))
             print(

@@ -56,9 +56,13 @@ def remove(name):
         raise click.ClickException(f"no model named {name!r} is registered (see: llm paged-mlx list)")
     except ValueError as e:  # an unreadable registry
         raise click.ClickException(str(e))
-    folder = Path(entry["source"])
-    if "gguf" in entry and folder.parent == _imported_dir():
-        shutil.rmtree(folder, ignore_errors=True)
+    if "gguf" in entry:
+        from .user_models import imported_folder
+
+        try:  # only the folder import-gguf made for this name: never a sibling's, nor the imported dir
+            shutil.rmtree(imported_folder(_imported_dir(), name, entry["source"]), ignore_errors=True)
+        except ValueError as e:
+            click.echo(f"{entry['source']} not deleted: {e}")
     click.echo(f"Removed {name}")
 
 
@@ -119,7 +123,7 @@ def cache():
 @cache.command(name="info")
 def cache_info():
     "Show the KV disk cache's size, blocks per model and hit counts"
-    from .engine.disk_cache import directory_info
+    from .engine.disk.admin import directory_info
     from .plugin import kv_disk_dir
 
     info = directory_info(kv_disk_dir())
@@ -134,7 +138,13 @@ def cache_info():
 @cache.command(name="clear")
 def cache_clear():
     "Delete every cached KV block"
-    from .engine.disk_cache import clear_directory
+    from .engine.disk.admin import clear_directory
     from .plugin import kv_disk_dir
 
-    click.echo(f"Removed {clear_directory(kv_disk_dir())} blocks")
+    try:
+        removed = clear_directory(kv_disk_dir())
+    except TimeoutError as e:
+        raise click.ClickException(f"{e} (an llm writing KV blocks, or one suspended with Ctrl-Z); try again later")
+    except OSError as e:
+        raise click.ClickException(f"could not clear {kv_disk_dir()}: {one_line(e)}")
+    click.echo(f"Removed {removed} blocks")

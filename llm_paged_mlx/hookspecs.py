@@ -12,12 +12,12 @@ hookimpl = pluggy.HookimplMarker("llm_paged_mlx")
 
 @hookspec
 def register_schedulers(register):
-    """Register scheduling policies (see ``engine.scheduler.SchedulingPolicy``)."""
+    """Register scheduling policies: ``key(request)``, optionally ``preempts(waiting, running)`` (see ``engine.scheduler``)."""
 
 
 @hookspec
 def register_swap_policies(register):
-    """Register what happens to a preempted request's KV (see ``engine.swap.SwapPolicy``)."""
+    """Register what happens to a preempted request's KV: ``swap_out``, ``swap_in``, optionally ``discard`` (see ``engine.swap``)."""
 
 
 @hookspec

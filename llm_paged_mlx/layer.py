@@ -49,9 +49,9 @@ class PagedAttentionLayer(nn.Module):
         if x.ndim != 2 or x.shape[1] != self.num_heads * self.head_dim:
             raise ValueError(f"x must be (tokens, {self.num_heads * self.head_dim}), got {tuple(x.shape)}")
         n = x.shape[0]
-        start = self.written.get(seq_id, 0) if seq_id in self.manager.tables else 0
+        start = self.written.get(seq_id, 0) if seq_id in self.manager.named else 0
         slots = self.manager.ensure_slots(seq_id, start + n)[start:]
-        table = self.manager.block_table(seq_id)
+        table = self.manager.sequence(seq_id).table
         used = mx.array(table[: -(-(start + n) // self.manager.block_size)], dtype=mx.int32)
         plan = AttentionPlan(
             block_size=self.manager.block_size,

@@ -6,11 +6,13 @@ async models alike). mlx and mlx-lm are imported only when a model first runs.
 """
 
 import asyncio
+import atexit
 import contextlib
 import math
 import os
 import queue
 import re
+import signal
 import sys
 import threading
 import time
@@ -182,27 +184,72 @@ class _MLXThread:
     """The one thread that does all of the plugin's MLX work, one request at a time.
 
     MLX streams belong to threads: an engine built on one thread fails on another ("There is
-    no Stream(cpu, 0) in current thread"). And an MLX thread that exits at interpreter
-    shutdown can abort the process, so this one is a daemon that never exits.
+    no Stream(cpu, 0) in current thread"). The process must not tear down while this thread is
+    inside MLX (MLX's C++ statics are destroyed under it: Ctrl-C ended ``llm`` with SIGABRT or
+    SIGSEGV), nor right after the thread has ended (its C++ thread-locals may still be being
+    destroyed: a joined MLX thread aborts the exit now and then). So the thread never ends:
+    at exit, ``stop`` cancels the running request and waits until the thread is parked for good.
     """
 
     def __init__(self):
         self.jobs: queue.SimpleQueue = queue.SimpleQueue()
         self.started = threading.Lock()
         self.thread: Optional[threading.Thread] = None
+        self.stopping = threading.Event()  # the process is exiting: requests end at their next step
+        self.parked = threading.Event()  # the thread has left MLX for good
+        self.ready = threading.Event()  # ``stop`` is registered to run at exit
 
     def submit(self, job: Callable[[], None]) -> None:
         with self.started:
             if self.thread is None:
                 self.thread = threading.Thread(target=self._run, name="llm-paged-mlx", daemon=True)
                 self.thread.start()
+                self.ready.wait()
         self.jobs.put(job)
 
+    def stop(self) -> None:
+        """At exit: stop the thread's MLX work, then close the KV disk caches.
+
+        The caches close only now because a request's end may queue writes (they do not close
+        themselves at exit: ``disk_cache``).
+        """
+        # A second Ctrl-C while we wait must not tear the process down under MLX: it exits at
+        # once, without C++ destructors. Ignoring it would leave no way out of a long wait (the
+        # rest of a model load or download).
+        signal.signal(signal.SIGINT, _exit_now)
+        self.stopping.set()
+        self.jobs.put(_STOP)
+        self.parked.wait()
+        # What is left is short: ignore Ctrl-C rather than cut a cache write short. SIG_IGN also
+        # outlives the interpreter's teardown, which puts Python's handlers back to the default
+        # (there a Ctrl-C killed the process with SIGINT).
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        for cache in list(_DISK_CACHES.values()):
+            cache.close()
+
     def _run(self):
-        while True:
-            job = self.jobs.get()
+        # atexit runs its hooks last in, first out: registered after MLX's own (made on its import),
+        # ``stop`` runs before them, while MLX is whole.
+        with contextlib.suppress(ImportError):  # then every job reports it
+            import mlx.core  # noqa: F401
+        atexit.register(self.stop)
+        self.ready.set()
+        while (job := self.jobs.get()) is not _STOP:
+            if self.stopping.is_set():  # requests still queued at exit are dropped
+                continue
             with contextlib.suppress(Exception):  # a caller gone away (a closed event loop) must not stop the thread
                 job()
+        self.parked.set()
+        threading.Event().wait()  # never end: see the class docstring
+
+
+_STOP = object()
+
+
+def _exit_now(signum, frame):
+    with contextlib.suppress(Exception):  # a closed or broken stdout
+        sys.stdout.flush()
+    os._exit(128 + signum)
 
 
 _MLX = _MLXThread()
@@ -239,25 +286,27 @@ def get_engine(model_id: str, source: str, fetch: Callable[[], str], options: di
     engine_kwargs = dict(options)
     disk_budget = engine_kwargs.pop("kv_disk_budget")
     disk = disk_cache(folder, disk_budget) if disk_budget and options["enable_prefix_caching"] else None
-    engine = Engine(model, tokenizer, kv_disk_cache=disk, **engine_kwargs)
+    engine = Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json", **engine_kwargs)
     _ENGINES[model_id] = _Loaded(source, options, engine)
     return engine
 
 
-_DISK_CACHES: dict = {}  # one KVDiskCache (one writer thread) per directory, model identity and budget
+_DISK_CACHES: dict = {}  # one KVDiskCache per directory, model identity and budget (one writer per directory)
 
 
 def disk_cache(folder: Path, budget: int):
-    """The disk tier for a model folder, keyed by the folder, its files and how it was loaded."""
+    """The disk tier for a model folder, keyed by the folder, its files' content and how it was loaded."""
     import mlx.core as mx
 
-    from .engine.disk_cache import KVDiskCache, model_identity
+    from .engine.disk.store import KVDiskCache
+    from .models.identity import model_identity
 
     on_cpu = mx.default_device() == mx.cpu
-    identity = model_identity(folder, dequantized=on_cpu, dtype="float32" if on_cpu else "as-stored")
+    digests = plugin_dir() / "weight-digests.json"  # so a model's weights are hashed once, not at every start
+    identity = model_identity(folder, digests, dequantized=on_cpu, dtype="float32" if on_cpu else "as-stored")
     key = (kv_disk_dir(), identity, budget)
     if key not in _DISK_CACHES:
-        _DISK_CACHES[key] = KVDiskCache(*key)
+        _DISK_CACHES[key] = KVDiskCache(*key, close_at_exit=False)  # _MLXThread.stop closes it, after the MLX work
     return _DISK_CACHES[key]
 
 
@@ -318,7 +367,7 @@ class _Request:
         first, generated, finish, cached, from_disk = None, 0, None, 0, 0
         with contextlib.closing(engine.stream(token_ids, params)) as chunks:  # closing aborts
             for chunk in chunks:
-                if self.cancelled.is_set():
+                if self.cancelled.is_set() or _MLX.stopping.is_set():  # the caller went away; the process exits
                     return
                 if chunk.token_ids and first is None:
                     first = time.perf_counter()

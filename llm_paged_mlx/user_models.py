@@ -1,15 +1,18 @@
 """The user's own models: a small JSON registry of names and where their weights are.
 
 An entry is ``{"source": folder or Hugging Face repo id}``, plus ``"gguf"`` (the file it
-was converted from) for folders made by ``import-gguf``. The file is rewritten whole
-through a temporary file and ``os.replace``, so it is never seen half-written.
+was converted from) for folders made by ``import-gguf``. Changes hold an exclusive lock on
+``models.json.lock``, so concurrent ``llm`` processes do not lose each other's entries, and
+rewrite the file whole through a synced temporary file and ``os.replace``, so it is never
+seen half-written, even after a crash.
 """
 
+import contextlib
 import json
-import os
 import re
-import tempfile
 from pathlib import Path
+
+from . import files
 
 REGISTRY_FILE = "models.json"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -21,6 +24,7 @@ class UserModels:
 
     def __init__(self, directory):
         self.path = Path(directory) / REGISTRY_FILE
+        self.lock_path = self.path.with_name(REGISTRY_FILE + ".lock")
 
     def load(self) -> dict[str, dict]:
         """Name -> entry. Raises ValueError if the file is not a registry."""
@@ -40,32 +44,33 @@ class UserModels:
     def add(self, name: str, entry: dict) -> None:
         """Register ``name``; raises ValueError if it is taken or not a usable name."""
         check_name(name)
-        models = self.load()
-        if name in models:
-            raise ValueError(f"a model named {name!r} is already registered (remove it first)")
-        models[name] = entry
-        self._save(models)
+        with self._locked():
+            models = self.load()
+            if name in models:
+                raise ValueError(f"a model named {name!r} is already registered (remove it first)")
+            models[name] = entry
+            self._save(models)
 
     def remove(self, name: str) -> dict:
         """Unregister ``name`` and return its entry; raises KeyError if unknown."""
-        models = self.load()
-        if name not in models:
-            raise KeyError(name)
-        entry = models.pop(name)
-        self._save(models)
+        with self._locked():
+            models = self.load()
+            if name not in models:
+                raise KeyError(name)
+            entry = models.pop(name)
+            self._save(models)
         return entry
 
-    def _save(self, models: dict) -> None:
+    @contextlib.contextmanager
+    def _locked(self):
+        """Hold the registry's lock (between processes) for a read-modify-write."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".models.", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"models": models}, f, indent=2)
-                f.write("\n")
-            os.replace(tmp, self.path)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        with files.locked(self.lock_path):
+            yield
+
+    def _save(self, models: dict) -> None:
+        payload = json.dumps({"models": models}, indent=2) + "\n"
+        files.write_atomically(self.path, payload.encode(), durable=True)
 
 
 def check_name(name: str) -> None:
@@ -92,3 +97,22 @@ def check_source(path_or_repo: str) -> str:
     if _REPO_ID.match(path_or_repo) and ".." not in path_or_repo:
         return path_or_repo
     raise ValueError(f"{path_or_repo} is neither an existing folder nor a Hugging Face repo id (owner/name)")
+
+
+def imported_folder(imported_dir, name: str, source: str) -> Path:
+    """The folder ``import-gguf`` made for ``name`` in ``imported_dir``, if ``source`` is it; else ValueError why not.
+
+    Paths are compared resolved, so a source spelled through a symlinked user dir is still
+    the folder, and one spelled ``imported/a/../b`` or through a symlink in the imported dir
+    is not: it is a sibling's folder.
+    """
+    try:
+        folder = Path(imported_dir).resolve() / name
+        resolved = Path(source).resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop
+        raise ValueError(f"it cannot be resolved ({e})") from None
+    if resolved != folder:
+        raise ValueError(f"it is not {folder}, the folder import-gguf made for {name}")
+    if folder.is_symlink() or not folder.is_dir():
+        raise ValueError(f"{folder} is not a folder")
+    return folder

@@ -340,3 +340,63 @@ def test_an_interrupt_while_a_step_is_read_loses_nothing(monkeypatch, run_ahead)
     assert [outputs[i] for i in ids] == [reference(model, p, 12) for p in prompts[: len(ids)]]
     engine.step()
     assert engine.stats()["free_blocks"] == 39
+
+
+def test_prefix_cache_reaches_every_full_block_after_an_eviction():
+    """A and B share their first block and differ in the second; computed side by side, B's second
+    block is cached under the first block A computed. A's blocks are evicted while B runs. From
+    then on B's prompt finds both of its blocks (it used to stop one block short forever)."""
+    model = tiny_model("llama")
+    shared, a_own, b_own, filler = random_prompts([16, 16, 16, 176], seed=21)
+    a, b = shared + a_own + [1], shared + b_own + [2]
+    engine = Engine(model, num_blocks=16)
+    engine.add_request(a, SamplingParams(max_tokens=1))
+    b_id = engine.add_request(b, SamplingParams(max_tokens=30))
+    while b_id in engine.requests and len(engine.requests) > 1:
+        engine.step()  # until A is done
+    engine.add_request(filler, SamplingParams(max_tokens=2))  # takes A's freed blocks
+    while engine.has_unfinished():
+        engine.step()
+    runs = [engine.generate([b], SamplingParams(max_tokens=3))[0] for _ in range(4)]
+    assert [r.num_cached_tokens for r in runs] == [0, 32, 32, 32]
+    assert all(r.token_ids == reference(model, b, 3) for r in runs)
+
+
+def finish_order(engine, outputs):
+    order = []
+    while engine.has_unfinished():
+        chunks = engine.step()
+        collect(chunks, outputs)
+        order += [c.request_id for c in chunks if c.finish_reason]
+    return order
+
+
+def test_a_waiting_request_that_does_not_fit_lets_smaller_ones_in():
+    model = tiny_model("llama")
+    long_running, big, small = random_prompts([100, 120, 10], seed=22)
+    engine = Engine(model, num_blocks=12)  # 11 blocks: the big prompt (8) cannot join the long one (7+)
+    first = engine.add_request(long_running, SamplingParams(max_tokens=40))
+    outputs = {}
+    collect(engine.step(), outputs)
+    waiting_big = engine.add_request(big, SamplingParams(max_tokens=4))
+    waiting_small = engine.add_request(small, SamplingParams(max_tokens=3))
+    order = finish_order(engine, outputs)
+    assert order == [waiting_small, first, waiting_big]
+    assert [outputs[i] for i in (first, waiting_big, waiting_small)] == [
+        reference(model, long_running, 40), reference(model, big, 4), reference(model, small, 3)
+    ]
+
+
+def test_a_higher_priority_arrival_preempts_a_lower_one_on_admission():
+    model = tiny_model("llama")
+    low_prompt, high_prompt = random_prompts([130, 40], seed=23)
+    engine = Engine(model, num_blocks=12, scheduler="priority")  # 176 tokens: not both (160 + 45)
+    low = engine.add_request(low_prompt, SamplingParams(max_tokens=30, priority=5))
+    outputs = {}
+    for _ in range(3):
+        collect(engine.step(), outputs)
+    high = engine.add_request(high_prompt, SamplingParams(max_tokens=5, priority=0))
+    order = finish_order(engine, outputs)
+    assert order == [high, low] and engine.stats()["preemptions"] >= 1
+    assert outputs[low] == reference(model, low_prompt, 30)
+    assert outputs[high] == reference(model, high_prompt, 5)

@@ -4,6 +4,7 @@ The model is SmolLM2-135M-Instruct (tests/smollm2.py), compared token for token 
 mlx-lm's own greedy generation on the same weights dequantized the same way.
 """
 
+import contextlib
 import functools
 import json
 import os
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import mlx_lm
@@ -331,3 +333,102 @@ def test_import_gguf_errors_leave_nothing(user_dir, smollm2_gguf, tmp_path):
     imported = user_dir / "paged-mlx" / "imported"
     assert not imported.exists() or not list(imported.iterdir())
     assert "broken" not in ok("paged-mlx", "list")
+
+
+def imported_entry(user_dir, name, source) -> Path:
+    """Register ``source`` as if import-gguf had made it; returns the imported dir."""
+    imported = user_dir / "paged-mlx" / "imported"
+    imported.mkdir(parents=True, exist_ok=True)
+    plugin.user_models().add(name, {"source": str(source), "gguf": "/files/model.gguf"})
+    return imported
+
+
+def test_remove_deletes_nothing_outside_the_imported_dir(user_dir):
+    """A source of imported/.. passed a check on unresolved paths: remove deleted all of paged-mlx/."""
+    imported = imported_entry(user_dir, "up", user_dir / "paged-mlx" / "imported" / "..")
+    (imported / "other").mkdir()
+    (user_dir / "paged-mlx" / "kv-cache").mkdir()
+    output = ok("paged-mlx", "remove", "up")
+    assert (imported / "other").is_dir() and (user_dir / "paged-mlx" / "kv-cache").is_dir()
+    assert "not deleted" in output and output.endswith("Removed up\n")
+    assert "up" not in plugin.user_models().load()
+
+
+def test_remove_does_not_follow_a_symlink_out_of_the_imported_dir(user_dir, tmp_path):
+    """rmtree already refused the symlink, but remove said nothing of keeping the folder."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("mine")
+    imported = imported_entry(user_dir, "escape", user_dir / "paged-mlx" / "imported" / "escape")
+    (imported / "escape").symlink_to(outside, target_is_directory=True)
+    output = ok("paged-mlx", "remove", "escape")
+    assert (outside / "keep.txt").read_text() == "mine" and "not deleted" in output
+    assert "escape" not in plugin.user_models().load()
+
+
+def test_remove_deletes_an_imported_folder_reached_through_a_symlinked_user_dir(user_dir, tmp_path):
+    """Paths are compared resolved: the same folder spelled through a symlink is still the imported one."""
+    link = tmp_path / "link"
+    link.symlink_to(user_dir, target_is_directory=True)
+    imported = imported_entry(user_dir, "smol", link / "paged-mlx" / "imported" / "smol")
+    (imported / "smol").mkdir()
+    assert ok("paged-mlx", "remove", "smol") == "Removed smol\n"
+    assert not (imported / "smol").exists() and imported.is_dir()
+
+
+@pytest.mark.parametrize("how", ["a/../b", "a symlink to b"])
+def test_remove_deletes_only_the_folder_import_gguf_made_for_that_name(user_dir, how):
+    """Any direct child of the imported dir passed: a source of imported/a/../b deleted b, another model's folder."""
+    imported = user_dir / "paged-mlx" / "imported"
+    imported.mkdir(parents=True)
+    (imported / "b").mkdir()
+    (imported / "b" / "config.json").write_text("{}")
+    if how == "a/../b":
+        (imported / "a").mkdir()
+        source = imported / "a" / ".." / "b"
+    else:
+        (imported / "a").symlink_to(imported / "b", target_is_directory=True)
+        source = imported / "a"
+    imported_entry(user_dir, "a", source)
+    output = ok("paged-mlx", "remove", "a")
+    assert (imported / "b" / "config.json").is_file()
+    assert f"{source} not deleted: it is not {imported.resolve() / 'a'}" in output and output.endswith("Removed a\n")
+    assert "a" not in plugin.user_models().load()
+
+
+def _lock_held(kv_cache: Path, monkeypatch):
+    from llm_paged_mlx.engine.disk import admin
+
+    monkeypatch.setattr(admin, "CLEAR_LOCK_WAIT_S", 0.2)
+    return admin.locked(kv_cache)  # as another process, perhaps suspended, would hold it
+
+
+def _unlink_fails(kv_cache: Path, monkeypatch):
+    def refused(path, *args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "unlink", refused)
+    return contextlib.nullcontext()
+
+
+def _lock_a_directory(kv_cache: Path, monkeypatch):
+    (kv_cache / ".lock").mkdir()
+    return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("trouble, words", [(_lock_held, [".lock", "locked by another process"]),
+                                            (_lock_a_directory, [".lock", "directory"]),
+                                            (_unlink_fails, ["Permission denied"])])
+def test_cache_clear_fails_in_one_line(user_dir, monkeypatch, trouble, words):
+    """cache clear waited forever for a held lock, and other OSErrors were tracebacks."""
+    kv_cache = user_dir / "paged-mlx" / "kv-cache"
+    kv_cache.mkdir(parents=True)
+    (kv_cache / f"{'ab' * 8}-{'0' * 32}.safetensors").write_bytes(b"a block")
+    results = []
+    with trouble(kv_cache, monkeypatch):
+        clear = threading.Thread(target=lambda: results.append(run_llm("paged-mlx", "cache", "clear")), daemon=True)
+        clear.start()
+        clear.join(10)
+        assert results, "cache clear waits for the lock"
+    assert_clean_error(results[0], *words)
+    assert (kv_cache / f"{'ab' * 8}-{'0' * 32}.safetensors").exists()

@@ -8,7 +8,9 @@ from test_engine import collect, random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
 import llm_paged_mlx.engine.runner as runner_module
+from llm_paged_mlx.engine.request import Request
 from llm_paged_mlx.engine.runner import ModelRunner, padded_size
+from llm_paged_mlx.engine.scheduler import ScheduledChunk
 from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.portable import PortableKernel
 
@@ -161,3 +163,21 @@ def test_a_failing_step_leaves_the_engine_usable(monkeypatch, run_ahead):
     assert outputs[first] == reference(model, prompts[0], 8)
     assert engine.generate([prompts[2]], params)[0].token_ids == reference(model, prompts[2], 8)
     assert engine.stats()["free_blocks"] == 31
+
+
+@pytest.mark.parametrize("compile_steps", [True, False])
+def test_a_rollback_drops_every_write_since_begin(compile_steps):
+    """Writes into the pools (a swap-in, a disk load, a step's K/V) are undone by a rollback, though a
+    write makes the very array object it writes to stand for the new value."""
+    engine = Engine(tiny_model("llama"), num_blocks=16, compile_steps=compile_steps)
+    engine.generate(random_prompts([40], seed=9), SamplingParams(max_tokens=4))
+    runner = engine.runner
+    before = [np.array(pool) for pool in runner.pools()]
+    runner.begin()
+    runner.write_blocks([1, 2], [mx.ones_like(a) for a in runner.read_blocks([1, 2])])
+    prompt = random_prompts([20], seed=10)[0]
+    request = Request(-1, prompt, SamplingParams(), max_total_tokens=64)
+    request.blocks.table = [1, 2, 3]
+    runner.forward([ScheduledChunk(request, len(prompt), list(range(16, 16 + len(prompt))))])
+    runner.rollback()
+    assert all(np.array_equal(np.array(pool), old) for pool, old in zip(runner.pools(), before))

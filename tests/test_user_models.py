@@ -1,10 +1,12 @@
-"""The JSON registry of user models: round trips, atomic writes, and clear errors."""
+"""The JSON registry of user models: round trips, atomic and locked writes, and clear errors."""
 
 import json
+import subprocess
+import sys
 
 import pytest
 
-from llm_paged_mlx.user_models import UserModels, check_name, check_source
+from llm_paged_mlx.user_models import UserModels, check_name, check_source, imported_folder
 
 
 def test_add_load_remove_round_trip(tmp_path):
@@ -26,7 +28,7 @@ def test_writes_leave_no_temporary_files(tmp_path):
     registry = UserModels(tmp_path)
     registry.add("one", {"source": "org/repo"})
     registry.remove("one")
-    assert [p.name for p in tmp_path.iterdir()] == ["models.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models.json", "models.json.lock"]
     assert json.loads((tmp_path / "models.json").read_text()) == {"models": {}}
 
 
@@ -36,7 +38,7 @@ def test_a_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises(TypeError):
         registry.add("two", {"source": "org/other", "bad": object()})  # not JSON-serializable
     assert list(registry.load()) == ["one"]
-    assert [p.name for p in tmp_path.iterdir()] == ["models.json"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["models.json", "models.json.lock"]
 
 
 def test_duplicate_names_are_refused(tmp_path):
@@ -78,3 +80,36 @@ def test_sources(tmp_path):
     for bad in ["no-such-folder", "a/b/c", "org/..", str(tmp_path / "missing")]:
         with pytest.raises(ValueError, match="neither an existing folder nor"):
             check_source(bad)
+
+
+
+def test_imported_folder_is_only_the_folder_import_gguf_made_for_that_name(tmp_path):
+    imported = tmp_path / "imported"
+    for name in ["a", "b"]:
+        (imported / name).mkdir(parents=True)
+    assert imported_folder(imported, "a", str(imported / "a")) == (imported / "a").resolve()
+    (tmp_path / "link").symlink_to(tmp_path, target_is_directory=True)
+    assert imported_folder(imported, "a", str(tmp_path / "link" / "imported" / "a")) == (imported / "a").resolve()
+    (imported / "c").symlink_to(imported / "b", target_is_directory=True)
+    (imported / "loop").symlink_to(imported / "loop")
+    for name, source in [("a", imported / "a" / ".." / "b"), ("a", imported), ("a", imported / "b"),
+                         ("c", imported / "c"), ("loop", imported / "loop"), ("gone", imported / "gone")]:
+        with pytest.raises(ValueError):
+            imported_folder(imported, name, str(source))
+
+
+CONCURRENT_ADDS = """
+import sys
+from llm_paged_mlx.user_models import UserModels
+directory, process = sys.argv[1], sys.argv[2]
+for index in range(20):
+    UserModels(directory).add(f"p{process}-{index}", {"source": "org/repo"})
+"""
+
+
+def test_concurrent_adds_from_several_processes_all_land(tmp_path):
+    """Each add reads, changes and rewrites the file: without a lock, one process's write drops another's."""
+    processes = [subprocess.Popen([sys.executable, "-c", CONCURRENT_ADDS, str(tmp_path), str(p)]) for p in range(6)]
+    assert [process.wait(timeout=120) for process in processes] == [0] * 6
+    assert sorted(UserModels(tmp_path).load()) == sorted(f"p{p}-{i}" for p in range(6) for i in range(20))
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary files left

@@ -1,16 +1,30 @@
 """Fixed-size KV blocks: allocation, reference counts, copy-on-write and prefix caching.
 
-The manager only keeps books; the K/V data live in per-layer pools indexed by
+The manager keeps books only; the K/V data live in per-layer pools indexed by
 block id. Block 0 is the null block: it pads block tables and is never handed
-out. Full blocks are hashed in a chain (a block's hash covers its parent's hash
-and its own tokens) so a later sequence with the same prefix can share them.
-Freed blocks keep their hash until they are handed out again, least recently
-freed first, so the prefix cache costs no memory that anything else needs.
+out. Each sequence owns a ``SequenceBlocks`` (its block table and the chain
+hashes of its full blocks); how many of its tokens are computed is the
+caller's to say, so there is one count of it, not two. Callers that would
+rather name sequences than hold them (``PagedAttentionLayer``) use
+``sequence(seq_id)``, ``ensure_slots`` and ``free(seq_id)``.
+
+Full blocks are hashed in a chain (a block's hash covers its parent's hash and
+its own tokens), so a later sequence with the same prefix can share them; a
+hash names the whole prefix, so a cached block is found whatever became of the
+blocks before it. Freed blocks keep their hash until they are handed out
+again, least recently freed first, so the prefix cache costs no memory that
+anything else needs.
+
+Between ``begin()`` and ``commit()`` every change is journaled, and
+``rollback()`` puts back every block, sequence, hash and the free order as
+they were at ``begin()``: an engine step that fails before it runs leaves no
+trace in the books.
 """
 
 import hashlib
 from collections import OrderedDict
-from typing import Hashable, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import Hashable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -18,18 +32,30 @@ NULL_BLOCK = 0
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent", "generation")
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids", "parent_hash", "freed_at")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_count = 0
-        self.hash: Optional[bytes] = None
+        self.hash: Optional[bytes] = None  # set while the block is in the prefix cache
         self.token_ids: tuple = ()
-        self.parent: Optional[tuple[int, int]] = None  # (block id, generation) of the cached parent
-        self.generation = 0  # bumped each time the block is handed out
+        self.parent_hash: Optional[bytes] = None
+        self.freed_at = block_id  # orders the free queue: least recently freed first
 
-    def identity(self) -> tuple[int, int]:
-        return self.block_id, self.generation
+    def state(self) -> tuple:
+        return self.ref_count, self.hash, self.token_ids, self.parent_hash, self.freed_at
+
+    def restore(self, state: tuple) -> None:
+        self.ref_count, self.hash, self.token_ids, self.parent_hash, self.freed_at = state
+
+
+@dataclass
+class SequenceBlocks:
+    """The blocks one sequence holds, and the chain hashes of its full blocks of tokens."""
+
+    table: list[int] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # block i's chain hash, computed as far as needed
+    num_cached: int = 0  # leading blocks found in, or entered into, the prefix cache
 
 
 def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
@@ -40,7 +66,7 @@ def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
 
 
 class BlockManager:
-    """Block tables for sequences over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
+    """Block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
     ``num_heads`` and ``head_dim`` describe the K/V each token holds, for
     layers that create their pools from the manager (``PagedAttentionLayer``).
@@ -66,11 +92,11 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        self.cached: dict[bytes, int] = {}
-        self.tables: dict[Hashable, list[int]] = {}
-        self.lengths: dict[Hashable, int] = {}  # tokens with a slot, per sequence
-        self.hashed: dict[Hashable, tuple[int, Optional[bytes]]] = {}  # (blocks hashed, last hash)
+        self.cached: dict[bytes, int] = {}  # chain hash -> the block holding it
         self.pending_copies: list[tuple[int, int]] = []  # (src, dst) for the pools to apply
+        self._clock = num_blocks  # the last freed_at given
+        self.named: dict[Hashable, SequenceBlocks] = {}  # sequences known by name (``sequence``)
+        self._journal: Optional[_Journal] = None
 
     # -- queries --------------------------------------------------------------
 
@@ -82,180 +108,224 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self.free_queue)
 
-    def block_table(self, seq_id: Hashable) -> list[int]:
-        return self.tables[seq_id]
-
-    def num_tokens(self, seq_id: Hashable) -> int:
-        return self.lengths.get(seq_id, 0)
-
-    def blocks_needed(self, seq_id: Hashable, num_new_tokens: int) -> int:
-        """New blocks that ``append_slots(seq_id, num_new_tokens)`` would take."""
-        length = self.lengths.get(seq_id, 0)
-        table = self.tables.get(seq_id, [])
-        needed = -(-(length + num_new_tokens) // self.block_size) - len(table)
-        if length % self.block_size and num_new_tokens and self.blocks[table[-1]].ref_count > 1:
+    def blocks_needed(self, seq: SequenceBlocks, start: int, count: int) -> int:
+        """New blocks that ``append_slots(seq, start, count)`` would take."""
+        needed = max(0, -(-(start + count) // self.block_size) - len(seq.table))
+        if start % self.block_size and count and self.blocks[seq.table[-1]].ref_count > 1:
             needed += 1  # the shared partial block is copied before it is written
-        return max(needed, 0)
+        return needed
+
+    def slots(self, seq: SequenceBlocks, start: int, count: int) -> list[int]:
+        """The slots (``block_id * block_size + offset``) of positions ``[start, start + count)``."""
+        size, table = self.block_size, seq.table
+        return [table[p // size] * size + p % size for p in range(start, start + count)]
 
     # -- allocation -------------------------------------------------------------
 
-    def allocate_prefix(self, seq_id: Hashable, token_ids: Sequence[int]) -> int:
-        """Start ``seq_id`` with the cached blocks of its longest cached prefix.
+    def cached_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> list[int]:
+        """The cached blocks of the longest cached prefix of ``token_ids``, changing nothing.
 
-        At least one token is always left to compute, so the model produces
-        logits for the last one. Returns the number of tokens found.
+        At least one token is always left out, so the model produces logits
+        for the last one.
         """
-        if seq_id in self.tables:
-            raise ValueError(f"sequence {seq_id!r} already has blocks")
-        table: list[int] = []
-        parent, parent_block = None, None
+        found = []
         if self.enable_prefix_caching:
-            for start in range(0, len(token_ids) - 1 - self.block_size + 1, self.block_size):
-                tokens = tuple(token_ids[start : start + self.block_size])
-                digest = chain_hash(parent, tokens)
+            for index in range((len(token_ids) - 1) // self.block_size):
+                digest, tokens = self._hash(seq, token_ids, index)
                 block = self.blocks[self.cached.get(digest, NULL_BLOCK)]
-                # The hash only finds a candidate: its tokens and its parent must match too.
-                if block.block_id == NULL_BLOCK or block.token_ids != tokens or block.parent != parent_block:
+                # The hash finds a candidate; its tokens and its parent's hash must match too.
+                parent = seq.hashes[index - 1] if index else None
+                if block.block_id == NULL_BLOCK or block.token_ids != tokens or block.parent_hash != parent:
                     break
-                self._ref(block.block_id)
-                table.append(block.block_id)
-                parent, parent_block = digest, block.identity()
-        self.tables[seq_id] = table
-        self.lengths[seq_id] = len(table) * self.block_size
-        self.hashed[seq_id] = (len(table), parent)
-        return self.lengths[seq_id]
+                found.append(block.block_id)
+        return found
 
-    def append_slots(self, seq_id: Hashable, num_new_tokens: int) -> Optional[list[int]]:
-        """Slots (``block_id * block_size + offset``) for the next tokens, or None if blocks ran out.
+    def allocate_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int:
+        """Start ``seq`` with the blocks of ``cached_prefix``; returns their tokens."""
+        if seq.table:
+            raise ValueError("the sequence already holds blocks")
+        self._save_sequence(seq)
+        for block_id in self.cached_prefix(seq, token_ids):
+            self._ref(block_id)
+            seq.table.append(block_id)
+        seq.num_cached = len(seq.table)
+        return len(seq.table) * self.block_size
 
-        Nothing changes when it returns None.
+    def append_slots(self, seq: SequenceBlocks, start: int, count: int) -> Optional[list[int]]:
+        """Blocks for positions ``[start, start + count)``, and their slots; None if blocks ran out.
+
+        ``start`` is how many of the sequence's tokens have slots: the table must
+        end in the block that holds position ``start`` (or just before it). A
+        shared last block is copied first (copy-on-write). Nothing changes when
+        it returns None.
         """
-        if self.blocks_needed(seq_id, num_new_tokens) > len(self.free_queue):
+        if len(seq.table) != -(-start // self.block_size):
+            raise ValueError(f"a table of {len(seq.table)} blocks does not end at position {start}")
+        needed = self.blocks_needed(seq, start, count)
+        if needed > len(self.free_queue):
             return None
-        self.tables.setdefault(seq_id, [])
-        self.lengths.setdefault(seq_id, 0)
-        self.hashed.setdefault(seq_id, (0, None))
-        table, length = self.tables[seq_id], self.lengths[seq_id]
-        if length % self.block_size and num_new_tokens:
-            last = table[-1]
-            if self.blocks[last].ref_count > 1:  # copy-on-write
-                new = self._allocate()
-                self.pending_copies.append((last, new))
-                self._unref(last)
-                table[-1] = new
-        slots = []
-        for position in range(length, length + num_new_tokens):
-            if position // self.block_size == len(table):
-                table.append(self._allocate())
-            slots.append(table[position // self.block_size] * self.block_size + position % self.block_size)
-        self.lengths[seq_id] = length + num_new_tokens
-        return slots
+        if needed:
+            self._save_sequence(seq)
+        if start % self.block_size and count and self.blocks[seq.table[-1]].ref_count > 1:
+            last = seq.table[-1]
+            new = self._allocate()
+            self.pending_copies.append((last, new))
+            self._unref(last)
+            seq.table[-1] = new
+        while len(seq.table) * self.block_size < start + count:
+            seq.table.append(self._allocate())
+        return self.slots(seq, start, count)
 
-    def ensure_slots(self, seq_id: Hashable, num_tokens: int) -> list[int]:
-        """Slots for the sequence's first ``num_tokens`` tokens, appending what is missing."""
-        missing = num_tokens - self.lengths.get(seq_id, 0)
-        if missing > 0 and self.append_slots(seq_id, missing) is None:
-            raise MemoryError(f"out of KV blocks: {self.num_free_blocks} free")
-        table = self.tables[seq_id]
-        return [table[p // self.block_size] * self.block_size + p % self.block_size for p in range(num_tokens)]
+    def cache_full_blocks(self, seq: SequenceBlocks, token_ids: Sequence[int], num_computed: int) -> None:
+        """Enter the sequence's full blocks whose K/V are written (its first ``num_computed`` tokens) in the cache.
 
-    def cache_full_blocks(self, seq_id: Hashable, token_ids: Sequence[int]) -> None:
-        """Enter the sequence's newly filled blocks (whose K/V are written) in the prefix cache."""
+        A block whose hash another block already holds is not entered: the
+        other one serves later prompts.
+        """
         if not self.enable_prefix_caching:
             return
-        table = self.tables[seq_id]
-        full = min(len(token_ids), self.lengths[seq_id]) // self.block_size
-        done, parent = self.hashed[seq_id]
-        for index in range(done, full):
-            tokens = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            parent_block = None
-            if parent is not None:  # the cached holder of the parent's tokens, else our own copy
-                parent_block = self.blocks[self.cached.get(parent, table[index - 1])].identity()
-            digest = chain_hash(parent, tokens)
-            block = self.blocks[table[index]]
+        full = min(len(token_ids), num_computed) // self.block_size
+        if full <= seq.num_cached:
+            return
+        self._save_sequence(seq)
+        for index in range(seq.num_cached, full):
+            digest, tokens = self._hash(seq, token_ids, index)
+            block = self.blocks[seq.table[index]]
             if block.hash is None and digest not in self.cached:
-                block.hash, block.token_ids, block.parent = digest, tokens, parent_block
-                self.cached[digest] = block.block_id
-            parent = digest
-        if full > done:
-            self.hashed[seq_id] = (full, parent)
+                self._enter(block, digest, tokens, seq.hashes[index - 1] if index else None)
+        seq.num_cached = full
 
-    # -- blocks whose K/V come from elsewhere (the disk tier) -----------------------
+    def append_cached_block(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> Optional[int]:
+        """One more full block for a sequence whose blocks are all full and cached, entered in the cache.
 
-    def prefix_hash(self, seq_id: Hashable) -> Optional[bytes]:
-        """The chain hash of the sequence's hashed blocks (None before the first)."""
-        return self.hashed[seq_id][1]
-
-    def append_cached_block(self, seq_id: Hashable, token_ids: Sequence[int]) -> Optional[int]:
-        """Give a sequence whose blocks are all full and hashed one more, in the prefix cache.
-
+        ``token_ids`` are the sequence's tokens up to and including the block's.
         Its K/V are the caller's to write. Returns the block id, or None when no
         block is free or another block already holds that hash.
         """
-        table = self.tables[seq_id]
-        done, parent = self.hashed[seq_id]
-        if done != len(table) or self.lengths[seq_id] != done * self.block_size:
-            raise ValueError(f"sequence {seq_id!r} does not end with a full hashed block")
-        tokens = tuple(token_ids)
-        digest = chain_hash(parent, tokens)
-        if not self.free_queue or digest in self.cached or len(tokens) != self.block_size:
+        index = len(seq.table)
+        if seq.num_cached != index or len(token_ids) != (index + 1) * self.block_size:
+            raise ValueError("the sequence does not end with a full cached block, or the tokens are not one more block")
+        digest, tokens = self._hash(seq, token_ids, index)
+        if not self.free_queue or digest in self.cached:
             return None
-        parent_block = self.blocks[self.cached.get(parent, table[-1])].identity() if table else None
+        self._save_sequence(seq)
         block = self.blocks[self._allocate()]
-        block.hash, block.token_ids, block.parent = digest, tokens, parent_block
-        self.cached[digest] = block.block_id
-        table.append(block.block_id)
-        self.lengths[seq_id] += self.block_size
-        self.hashed[seq_id] = (done + 1, digest)
+        self._enter(block, digest, tokens, seq.hashes[index - 1] if index else None)
+        seq.table.append(block.block_id)
+        seq.num_cached += 1
         return block.block_id
 
-    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
-        """``child_id`` shares all of the parent's blocks; a shared partial block is copied on write."""
-        if child_id in self.tables:
-            raise ValueError(f"sequence {child_id!r} already has blocks")
-        for block_id in self.tables[parent_id]:
+    def sequence(self, seq_id: Hashable) -> SequenceBlocks:
+        """The blocks of the sequence named ``seq_id`` (new and empty the first time)."""
+        return self.named.setdefault(seq_id, SequenceBlocks())
+
+    def ensure_slots(self, seq_id: Hashable, num_tokens: int) -> list[int]:
+        """Slots for the named sequence's first ``num_tokens`` tokens, appending the blocks missing.
+
+        Raises MemoryError when blocks run out. (No copy-on-write: named
+        sequences are not forked.)
+        """
+        seq = self.sequence(seq_id)
+        missing = -(-num_tokens // self.block_size) - len(seq.table)
+        if missing > len(self.free_queue):
+            raise MemoryError(f"out of KV blocks: {self.num_free_blocks} free, {missing} needed")
+        if missing > 0:
+            self._save_sequence(seq)
+            seq.table += [self._allocate() for _ in range(missing)]
+        return self.slots(seq, 0, num_tokens)
+
+    def fork(self, seq: SequenceBlocks) -> SequenceBlocks:
+        """A new sequence sharing all of ``seq``'s blocks; a shared partial block is copied on write."""
+        for block_id in seq.table:
             self._ref(block_id)
-        self.tables[child_id] = list(self.tables[parent_id])
-        self.lengths[child_id] = self.lengths[parent_id]
-        self.hashed[child_id] = self.hashed[parent_id]
+        return SequenceBlocks(list(seq.table), list(seq.hashes), seq.num_cached)
 
-    def truncate(self, seq_id: Hashable, num_tokens: int) -> None:
-        """Give back the sequence's slots past its first ``num_tokens`` (taken for a step that never ran)."""
-        table = self.tables[seq_id]
-        if not self.hashed[seq_id][0] * self.block_size <= num_tokens <= self.lengths[seq_id]:
-            raise ValueError(f"cannot truncate sequence {seq_id!r} to {num_tokens} tokens")
-        keep = -(-num_tokens // self.block_size)
-        for block_id in reversed(table[keep:]):
+    def free(self, seq: Union[SequenceBlocks, Hashable]) -> None:
+        """Return a sequence's blocks (it, or its name); the tail is evicted first, the cached prefix last."""
+        if not isinstance(seq, SequenceBlocks):
+            seq = self.named.pop(seq, None)
+            if seq is None:
+                return
+        self._save_sequence(seq)
+        for block_id in reversed(seq.table):
             self._unref(block_id)
-        del table[keep:]
-        self.lengths[seq_id] = num_tokens
+        seq.table = []  # a new list: the journal keeps the old one
+        seq.num_cached = 0
 
-    def free(self, seq_id: Hashable) -> None:
-        """Return the sequence's blocks; the tail is evicted first, the cached prefix last."""
-        for block_id in reversed(self.tables.pop(seq_id, [])):
-            self._unref(block_id)
-        self.lengths.pop(seq_id, None)
-        self.hashed.pop(seq_id, None)
+    def forget_cached(self) -> None:
+        """Empty the prefix cache (the K/V its blocks hold can no longer be trusted)."""
+        for block_id in self.cached.values():
+            block = self.blocks[block_id]
+            block.hash, block.token_ids, block.parent_hash = None, (), None
+        self.cached = {}
 
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies made since the last call: (source block, destination block)."""
         copies, self.pending_copies = self.pending_copies, []
         return copies
 
+    # -- transactions ---------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Start journaling changes, for ``commit`` or ``rollback``."""
+        if self._journal is not None:
+            raise RuntimeError("a transaction is already open")
+        self._journal = _Journal(list(self.pending_copies))
+
+    def commit(self) -> None:
+        self._journal = None
+
+    def rollback(self) -> None:
+        """Undo every change since ``begin``."""
+        journal, self._journal = self._journal, None
+        for block_id in journal.blocks:  # the hashes they hold now leave the cache...
+            digest = self.blocks[block_id].hash
+            if digest is not None and self.cached.get(digest) == block_id:
+                del self.cached[digest]
+        for block_id, state in journal.blocks.items():  # ...and the ones they held come back
+            block = self.blocks[block_id]
+            block.restore(state)
+            if block.hash is not None:
+                self.cached[block.hash] = block_id
+        for seq, table, length, last, num_cached, num_hashes in journal.sequences.values():
+            del table[length:]
+            if length:
+                table[-1] = last
+            seq.table, seq.num_cached = table, num_cached
+            del seq.hashes[num_hashes:]
+        free = sorted((b for b in self.blocks[1:] if b.ref_count == 0), key=lambda b: b.freed_at)
+        self.free_queue = OrderedDict.fromkeys(b.block_id for b in free)
+        self.pending_copies = journal.copies
+
     # -- internals ----------------------------------------------------------
+
+    def _hash(self, seq: SequenceBlocks, token_ids: Sequence[int], index: int) -> tuple[bytes, tuple]:
+        """Block ``index``'s chain hash (computing the missing ones before it) and its tokens."""
+        size = self.block_size
+        if index >= len(seq.hashes):
+            self._save_sequence(seq)
+        for i in range(len(seq.hashes), index + 1):
+            seq.hashes.append(chain_hash(seq.hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size]))
+        return seq.hashes[index], tuple(token_ids[index * size : (index + 1) * size])
+
+    def _enter(self, block: Block, digest: bytes, tokens: tuple, parent: Optional[bytes]) -> None:
+        self._save_block(block)
+        block.hash, block.token_ids, block.parent_hash = digest, tokens, parent
+        self.cached[digest] = block.block_id
 
     def _allocate(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.hash is not None:
+        self._save_block(block)
+        if block.hash is not None:  # evicted from the prefix cache
             del self.cached[block.hash]
-            block.hash, block.token_ids, block.parent = None, (), None
-        block.generation += 1
+            block.hash, block.token_ids, block.parent_hash = None, (), None
         block.ref_count = 1
         return block_id
 
     def _ref(self, block_id: int) -> None:
         block = self.blocks[block_id]
+        self._save_block(block)
         if block.ref_count == 0:
             del self.free_queue[block_id]
         block.ref_count += 1
@@ -264,6 +334,31 @@ class BlockManager:
         block = self.blocks[block_id]
         if block.ref_count <= 0:
             raise RuntimeError(f"block {block_id} freed twice")
+        self._save_block(block)
         block.ref_count -= 1
         if block.ref_count == 0:
+            self._clock += 1
+            block.freed_at = self._clock
             self.free_queue[block_id] = None
+
+    def _save_block(self, block: Block) -> None:
+        if self._journal is not None and block.block_id not in self._journal.blocks:
+            self._journal.blocks[block.block_id] = block.state()
+
+    def _save_sequence(self, seq: SequenceBlocks) -> None:
+        """Journal a sequence before its first change.
+
+        Within a transaction a table only grows at its end, changes its last
+        block, or is replaced by ``free``; hashes only grow.
+        """
+        if self._journal is not None and id(seq) not in self._journal.sequences:
+            table = seq.table
+            state = (seq, table, len(table), table[-1] if table else None, seq.num_cached, len(seq.hashes))
+            self._journal.sequences[id(seq)] = state
+
+
+@dataclass
+class _Journal:
+    copies: list[tuple[int, int]]  # pending copies at begin
+    blocks: dict[int, tuple] = field(default_factory=dict)  # block id -> its state at begin
+    sequences: dict[int, tuple] = field(default_factory=dict)  # id(seq) -> (seq, table, length, last, ...)

@@ -2,33 +2,49 @@
 
 import functools
 import itertools
-from dataclasses import dataclass
-from typing import Iterator, Optional, Sequence, Union
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .. import plugins
 from ..kernels import select_kernel
-from ..models.paged_cache import check_model
+from ..models.paged_cache import check_model, model_config
 from .block_manager import BlockManager
-from .disk_cache import KVDiskCache
+from .disk.store import KVDiskCache, KVDiskCacheWarning
+from .interrupts import HeldInterrupts
+from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk
 from .request import Request, SamplingParams, Status
-from .runner import ModelRunner, ScheduledChunk
+from .runner import ModelRunner
 from .sampler import sample
-from .scheduler import Scheduler
+from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_KV_BUDGET = 2 * 1024**3
 
 
 @dataclass
-class _Launched:
-    """A step running on the device: who it samples, their (lazy) tokens, who filled a block."""
+class _Built:
+    """A step built (lazy arrays): its chunks, who it samples and their tokens, who it fills a block for."""
 
+    chunks: list[ScheduledChunk]
     sampled: list[Request]
     tokens: Optional[mx.array]
     filled: list[Request]
+
+
+class _DeviceFailure(Exception):
+    """The device failed to run a launched step (the error is its ``__cause__``)."""
+
+
+@dataclass
+class _SwapHandles:
+    """Swap handles a step made (released if it is undone) and used up (released once it commits)."""
+
+    created: list = field(default_factory=list)
+    consumed: list = field(default_factory=list)
 
 
 class Engine:
@@ -41,8 +57,11 @@ class Engine:
     full blocks are saved there and later prompts (in this or another process)
     read them back instead of computing them. ``compile_steps`` runs steps
     whose tokens are all single-query rows through ``mx.compile`` (see
-    ``runner``); it needs the kernel to be ``compilable``. An engine is driven
-    from one thread (MLX streams belong to the thread that made them).
+    ``runner``); it needs the kernel to be ``compilable``. ``verify_model``
+    first checks that the paged path gives mlx-lm's logits for this model
+    (``engine.model_check``; a ValueError refuses it), once per configuration,
+    or across processes with ``verdict_file``. An engine is driven from one
+    thread (MLX streams belong to the thread that made them).
     """
 
     def __init__(
@@ -61,6 +80,8 @@ class Engine:
         swap_policy: str = "recompute",
         kv_disk_cache: Optional[KVDiskCache] = None,
         compile_steps: bool = True,
+        verify_model: bool = True,
+        verdict_file=None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -79,20 +100,23 @@ class Engine:
         self.tokenizer = tokenizer
         self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel, compile_steps)
+        if verify_model:
+            check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
-        load_blocks = None
+        load_prefix = None
         if kv_disk_cache is not None:  # the shape and dtype of each array of one block, K and V per layer
             layout = [((l.num_kv_heads * block_size, dim), l.dtype) for l in layouts for dim in (l.k_dim, l.v_dim)]
-            load_blocks = functools.partial(kv_disk_cache.load_chain, layout=layout)
-        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_blocks)
-        self.max_context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
+            load_prefix = functools.partial(kv_disk_cache.load_chain, layout=layout)
+        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_prefix)
+        self.max_context = getattr(model_config(model), "max_position_embeddings", None)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[int, Request] = {}
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
-        self._in_flight: Optional[_Launched] = None  # a step launched on the device, its tokens not yet read
+        self._in_flight: Optional[_Built] = None  # a step launched on the device, its tokens not yet read
         self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
         self._ids = itertools.count()
+        self._interrupts = HeldInterrupts()
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
@@ -106,7 +130,10 @@ class Engine:
 
     def add_request(self, prompt: Prompt, params: Optional[SamplingParams] = None) -> int:
         """Queue a prompt; returns its request id. Raises ValueError on bad input."""
-        params = params or SamplingParams()
+        with self._interrupts.held():
+            return self._add(prompt, params or SamplingParams())
+
+    def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         token_ids = self._encode(prompt)
         capacity = self.blocks.num_usable_blocks * self.blocks.block_size
         limit = min(capacity, self.max_context or capacity)
@@ -122,14 +149,30 @@ class Engine:
         return request.request_id
 
     def abort(self, request_id: int) -> Optional[StreamChunk]:
-        """Stop a request and free its blocks; returns its last chunk, or None if unknown."""
+        """Stop a request and free its blocks; returns its last chunk, or None if unknown.
+
+        The last chunk also carries what was read for the request and not yet
+        returned by ``step`` (after a step that raised), so nothing of it comes later.
+        """
+        with self._interrupts.held():
+            return self._abort(request_id)
+
+    def _abort(self, request_id: int) -> Optional[StreamChunk]:
         request = self.requests.get(request_id)
         if request is None:
             return None
-        return self._finish(request, "abort", [])
+        unreturned = [c for c in self._ready if c.request_id == request_id]
+        self._ready = [c for c in self._ready if c.request_id != request_id]
+        last = self._finish(request, "abort", [])
+        for chunk in reversed(unreturned):
+            last.token_ids = chunk.token_ids + last.token_ids
+            if chunk.text is not None:
+                last.text = chunk.text + last.text
+        return last
 
     def has_unfinished(self) -> bool:
-        return bool(self.requests)
+        """Whether a request is unfinished or a chunk is yet to be returned (after a step that raised)."""
+        return bool(self.requests or self._ready)
 
     # -- the step -------------------------------------------------------------
 
@@ -141,85 +184,148 @@ class Engine:
         launches its own step first, feeding it those tokens unread. Call it
         while ``has_unfinished()``. Chunks of requests that ``stream`` or
         ``generate`` consume are also kept for them, so any number of those can
-        share the engine's steps. If building a step fails or waiting for one
-        is interrupted, the error is raised with the engine's books intact; what
-        was read before it comes with the next call.
+        share the engine's steps.
+
+        A step is a transaction: it is planned, prepared (swaps, copies, disk
+        loads) and built before it is launched, and an exception before the
+        launch (from a policy, a kernel, the model, or Ctrl-C while waiting for
+        the device) undoes it all: requests, blocks, counters and K/V pools are
+        as if it had never been scheduled, and the exception reaches the caller.
+        Ctrl-C elsewhere is held until the step is whole. If the device fails
+        to run a launched step, no K/V is trusted any more: every request is
+        computed again from its tokens, and the error reaches the caller. What
+        was read before an error comes with the next call.
         """
-        self._step()
+        with self._interrupts.held():
+            self._step()
         chunks, self._ready = self._ready, []
-        for chunk in chunks:
-            if chunk.request_id in self.outbox:
-                self.outbox[chunk.request_id].append(chunk)
         return chunks
 
     def _step(self) -> None:
-        launched = self._in_flight
-        if launched is not None:
-            if self._can_run_ahead(launched):  # the next step is built before this one is read
-                self._in_flight = self._run_ahead(launched)
-                return
-            self._read(launched)
-            self._in_flight = None
+        try:
+            launched = self._in_flight
+            if launched is not None:
+                if self._can_run_ahead(launched):  # the next step is built before this one is read
+                    self._run_ahead(launched)
+                    return
+                tokens = self._wait(launched)
+                self._in_flight = None
+                self._apply(launched, tokens)
+            built = self._transaction(self._plan)
+            if built is not None:
+                self._launch(built)
+        except _DeviceFailure as failure:
+            self._start_over()
+            raise failure.__cause__
+
+    def _start_over(self) -> None:
+        """After the device failed in a launched step, compute every request again from its tokens.
+
+        What that step, and any built on it, wrote to the pools is unknown: so no
+        block is kept, the prefix cache is emptied and the pools are made anew.
+        Copies kept by the swap policy and the disk tier came from steps that
+        ended, and stay.
+        """
+        self._in_flight = None
+        self.scheduler.start_over()
+        self.blocks.forget_cached()
+        self.runner.reset_pools()
+
+    def _transaction(self, work: Callable[[_SwapHandles], Optional[_Built]]) -> Optional[_Built]:
+        """Run ``work`` so that an exception undoes all it did; on success, count its chunks as computed.
+
+        ``work`` plans and builds a step, listing the swap handles it creates
+        and consumes: an undone step releases the ones it created, a committed
+        one the ones it consumed.
+        """
+        handles = _SwapHandles()
+        self.scheduler.begin()
+        self.runner.begin()
+        try:
+            built = work(handles)
+        except BaseException:
+            self.runner.rollback()
+            self.scheduler.rollback()
+            for handle in handles.created:
+                self._discard(handle)
+            raise
+        self.runner.commit()
+        self.scheduler.commit()
+        if built is not None:
+            for chunk in built.chunks:  # whatever runs later on the device sees these tokens' K/V
+                chunk.request.num_computed += chunk.num_tokens
+        for handle in handles.consumed:
+            self._discard(handle)
+        return built
+
+    def _plan(self, handles: _SwapHandles) -> Optional[_Built]:
         plan = self.scheduler.schedule()
-        for request, old_blocks in plan.preempted:
-            kept = old_blocks[: self._blocks_for(request.num_computed)]
-            request.swap_handle = self.swap.swap_out(kept, self.runner)
-            if request.swap_handle is None:
+        self._prepare(plan, handles)
+        return self._build(plan.chunks) if plan.chunks else None
+
+    def _prepare(self, plan: StepPlan, handles: _SwapHandles) -> None:
+        """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
+        for request, old_table in plan.preempted:
+            handle = self.swap.swap_out(old_table[: self._blocks_for(request.num_computed)], self.runner)
+            if handle is None:
                 request.num_computed = 0
+            else:
+                handles.created.append(handle)
+            request.swap_handle = handle
         self._copy_blocks()
         for request in plan.swapped_in:
-            table = self.blocks.block_table(request.request_id)
-            self.swap.swap_in(request.swap_handle, table[: self._blocks_for(request.num_computed)], self.runner)
+            table = request.blocks.table[: self._blocks_for(request.num_computed)]
+            self.swap.swap_in(request.swap_handle, table, self.runner)
+            handles.consumed.append(request.swap_handle)
             request.swap_handle = None
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
             arrays = zip(*(data for _, data in plan.disk_loads))
             self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
-        if plan.chunks:
-            self._in_flight = self._build(plan.chunks)
-            self._launch(self._in_flight)
 
-    def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> "_Launched":
-        """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them).
-
-        The chunks' tokens count as computed from here on: whatever runs later
-        on the device sees their K/V. If building fails, the requests give back
-        the slots scheduled for the chunks and the engine carries on without the step.
-        """
-        tables = {c.request.request_id: self.blocks.block_table(c.request.request_id) for c in chunks}
+    def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> _Built:
+        """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them)."""
+        logits = self.runner.forward(chunks, input_tokens)
         sampled = [c.request for c in chunks if c.completes]
-        try:
-            logits = self.runner.forward(chunks, tables, input_tokens)
-            tokens = sample(logits, sampled) if sampled else None
-        except BaseException:  # the step never runs: its requests give back the slots it took
-            self._give_back_slots(chunks)
-            raise
-        filled = []  # requests whose chunk fills a block: cached when the tokens are read
-        for chunk in chunks:
-            request, before = chunk.request, chunk.request.num_computed
-            request.num_computed += chunk.num_tokens
-            if request.num_computed // self.blocks.block_size > before // self.blocks.block_size:
-                filled.append(request)
-        return _Launched(sampled, tokens, filled)
+        tokens = sample(logits, sampled) if sampled else None
+        size = self.blocks.block_size
+        filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
+        return _Built(chunks, sampled, tokens, filled)
 
-    def _launch(self, step: "_Launched") -> None:
+    def _launch(self, step: _Built) -> None:
         """Start a built step on the device; nothing waits for it."""
-        self.runner.launch(*([step.tokens] if step.sampled else []))
+        self._in_flight = step
+        try:
+            self.runner.launch(*([step.tokens] if step.sampled else []))
+        except Exception as e:
+            raise _DeviceFailure() from e
 
-    def _read(self, launched: "_Launched") -> None:
-        """Wait for a launched step to end and hand its tokens to their requests (chunks to ``_ready``).
+    def _wait(self, launched: _Built) -> list[int]:
+        """Wait for a launched step to end; its sampled tokens. Nothing changes if it is interrupted.
 
         A GPU backend holds a step's input buffers until its completion handler
         runs, shortly after the step ends; a pool still held then would make the
         next step's writes copy it. Synchronizing waits for the handler too.
         """
-        mx.synchronize()
-        tokens = launched.tokens.tolist() if launched.sampled else []
+        with self._interrupts.allowed():
+            try:
+                mx.synchronize()
+                return launched.tokens.tolist() if launched.sampled else []
+            except Exception as e:
+                raise _DeviceFailure() from e
+
+    def _apply(self, launched: _Built, tokens: list[int]) -> None:
+        """Hand a finished step's tokens to their requests (chunks to ``_ready``), cache the blocks it filled."""
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
-                self.blocks.cache_full_blocks(request.request_id, request.token_ids)
-        self._ready += [self._append(r, t) for r, t in zip(launched.sampled, tokens) if not r.finished]
+                self.blocks.cache_full_blocks(request.blocks, request.token_ids, request.num_computed)
+        for request, token in zip(launched.sampled, tokens):
+            if not request.finished:
+                chunk = self._append(request, token)
+                self._ready.append(chunk)
+                if chunk.request_id in self.outbox:  # kept for stream() and generate() as it is read
+                    self.outbox[chunk.request_id].append(chunk)
 
-    def _can_run_ahead(self, launched: "_Launched") -> bool:
+    def _can_run_ahead(self, launched: _Built) -> bool:
         """Whether the next step is surely one decode token for each request ``launched`` sampled.
 
         Then it can start before their tokens are read: no request waits, every
@@ -236,43 +342,49 @@ class Engine:
                 return False
             if request.num_tokens + 1 >= request.max_total_tokens:
                 return False
-        needed = sum(self.blocks.blocks_needed(r.request_id, 1) for r in sampled)
+        needed = sum(self.blocks.blocks_needed(r.blocks, r.num_computed, 1) for r in sampled)
         return needed <= self.blocks.num_free_blocks
 
-    def _run_ahead(self, launched: "_Launched") -> "_Launched":
+    def _run_ahead(self, launched: _Built) -> None:
         """Build the next decode step on the launched step's tokens (unread), read those, launch it.
 
         Reading before launching lets the launched step's graph go, so the next
-        step writes the K/V pools in place; the host built it meanwhile.
+        step writes the K/V pools in place; the host built it meanwhile. If the
+        wait is interrupted, the step built ahead is undone and the next call
+        reads the launched step again.
         """
-        for request in launched.sampled:
-            request.output_token_ids.append(-1)  # stands for the token being computed
-        try:
-            plan = self.scheduler.schedule()
-            assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
-            self._copy_blocks()
-            index = {id(r): i for i, r in enumerate(launched.sampled)}
-            rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
-            ahead = self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
-        finally:
-            for request in launched.sampled:
-                request.output_token_ids.pop()  # _read appends the real token (or stops)
-        try:
-            self._read(launched)
-        except BaseException:
-            # Interrupted while waiting: the next call reads the launched step again. The step built
-            # ahead is dropped; its K/V writes, already in the pools' lazy graph, are harmless.
-            for chunk in plan.chunks:
-                chunk.request.num_computed -= chunk.num_tokens
-            self._give_back_slots(plan.chunks)
-            raise
-        self._launch(ahead)
-        return ahead
+        read: list[list[int]] = []  # the launched step's tokens, once waited for
 
-    def _give_back_slots(self, chunks: list[ScheduledChunk]) -> None:
-        """Return the slots scheduled for chunks that will not run."""
-        for chunk in chunks:
-            self.blocks.truncate(chunk.request.request_id, chunk.request.num_computed)
+        def plan_and_wait(handles: _SwapHandles) -> _Built:
+            for request in launched.sampled:
+                request.output_token_ids.append(-1)  # stands for the token being computed
+            try:
+                plan = self.scheduler.schedule()
+                assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
+                self._copy_blocks()
+                index = {id(r): i for i, r in enumerate(launched.sampled)}
+                rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
+                ahead = self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
+            finally:
+                for request in launched.sampled:
+                    request.output_token_ids.pop()  # _apply appends the real token (or stops)
+            read.append(self._wait(launched))
+            return ahead
+
+        ahead = self._transaction(plan_and_wait)
+        self._in_flight = None
+        self._apply(launched, read[0])
+        self._launch(ahead)
+
+    def _discard(self, handle) -> None:
+        """Release what the swap policy kept for a request that will not be swapped in."""
+        discard = getattr(self.swap, "discard", None)
+        if discard is None:
+            return
+        try:
+            discard(handle)
+        except Exception as e:  # what is lost is the policy's own storage, not a request's tokens
+            warnings.warn(f"swap policy {type(self.swap).__name__}: discard failed ({e})", RuntimeWarning)
 
     def _copy_blocks(self) -> None:
         copies = self.blocks.take_copies()
@@ -293,9 +405,16 @@ class Engine:
 
     def _finish(self, request: Request, reason: str, new_tokens: list[int]) -> StreamChunk:
         request.status, request.finish_reason = Status.FINISHED, reason
-        if self.disk is not None and request.request_id in self.blocks.tables:  # keep its computed full blocks
-            full = self.blocks.block_table(request.request_id)[: request.num_computed // self.blocks.block_size]
-            self.disk.save(request.token_ids, full, self.blocks.block_size, self.runner.read_blocks)
+        if self.disk is not None and request.blocks.table:  # keep its full blocks whose K/V are computed
+            tokens, size = request.token_ids, self.blocks.block_size
+            full = min(len(tokens), request.num_computed) // size
+            try:
+                self.disk.save(tokens, request.blocks.table[:full], size, self.runner.read_blocks)
+            except Exception as e:  # the disk tier is a cache: losing a save loses no data
+                warnings.warn(f"KV disk cache: could not save a finished request's blocks ({e})", KVDiskCacheWarning)
+        if request.swap_handle is not None:
+            self._discard(request.swap_handle)
+            request.swap_handle = None
         self.scheduler.remove(request)
         del self.requests[request.request_id]
         text = self.texts.pop(request.request_id, None)
@@ -390,7 +509,7 @@ class Engine:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("empty prompt")
-        vocab = getattr(getattr(self.model, "args", None), "vocab_size", None)
+        vocab = getattr(model_config(self.model), "vocab_size", None)
         if vocab and not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
         return token_ids

@@ -2,8 +2,11 @@
 
 import enum
 import itertools
+import time
 from dataclasses import dataclass, field
 from typing import Optional
+
+from .block_manager import SequenceBlocks
 
 _arrivals = itertools.count()
 
@@ -48,20 +51,29 @@ class Status(enum.Enum):
 
 @dataclass
 class Request:
-    """One prompt being served. ``num_computed`` tokens have their K/V in blocks."""
+    """One prompt being served.
+
+    ``num_computed`` tokens have their K/V in the blocks of ``blocks.table``
+    (written, or being written by a launched step): the one count the engine
+    keeps of it.
+    """
 
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
     max_total_tokens: int  # the context limit: prompt + output never exceed it
     arrival: int = field(default_factory=lambda: next(_arrivals))
+    arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
+    num_preemptions: int = 0
+    num_bypassed: int = 0  # later-ranked requests admitted while this one waited for blocks
     stop_token_ids: frozenset = frozenset()  # EOS (unless ignored) and SamplingParams.stop_token_ids
 
     @property

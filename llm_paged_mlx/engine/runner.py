@@ -10,14 +10,15 @@ model's Python code and fuses elementwise operations: less host work, which is
 most of a GPU step for small models (benchmarks/RESULTS.md).
 """
 
-from dataclasses import dataclass
+import warnings
+from typing import Optional
 
 import mlx.core as mx
 import numpy as np
 
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..models.paged_cache import LayerLayout, PagedLayerCache
-from .request import Request
+from .scheduler import ScheduledChunk
 
 # Architectures whose Model.__call__ is exactly "body, then tied embedding or lm_head":
 # for them only the rows that are sampled go through the vocabulary projection.
@@ -25,20 +26,6 @@ _BODY_THEN_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
 # Each traced shape keeps its graph (about 3 MB for a 28-layer model): past this many
 # shapes the traces are dropped and shapes are traced again as they come.
 MAX_TRACED_SHAPES = 32
-
-
-@dataclass
-class ScheduledChunk:
-    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to."""
-
-    request: Request
-    num_tokens: int
-    slots: list[int]
-
-    @property
-    def completes(self) -> bool:
-        """Whether the chunk reaches the request's last token, so its logits are sampled."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
 
 
 def padded_size(n: int) -> int:
@@ -52,6 +39,7 @@ class ModelRunner:
         self, model, layouts: list[LayerLayout], num_blocks: int, block_size: int, kernel, compile_steps: bool = True
     ):
         self.model = model
+        self.layouts = layouts
         self.block_size = block_size
         self.caches = [
             PagedLayerCache(num_blocks, block_size, l.num_kv_heads, l.k_dim, l.v_dim, l.dtype, kernel)
@@ -63,9 +51,43 @@ class ModelRunner:
         self._compiled_rows = None
         self._traced_shapes: set[tuple[int, int]] = set()
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
+        self._saved_pools: Optional[list[mx.array]] = None
+
+    def with_pools(self, num_blocks: int) -> "ModelRunner":
+        """A runner like this one, over pools of its own of ``num_blocks`` blocks."""
+        kernel = self.caches[0].kernel
+        return ModelRunner(self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps)
 
     def pools(self) -> list[mx.array]:
         return [a for c in self.caches for a in (c.keys, c.values)]
+
+    def reset_pools(self) -> None:
+        """New, zeroed pools, for when what the old ones hold is unknown."""
+        for cache in self.caches:
+            cache.keys = mx.zeros(cache.keys.shape, cache.keys.dtype)
+            cache.values = mx.zeros(cache.values.shape, cache.values.dtype)
+            cache.plan = None
+        mx.eval(self.pools())
+
+    # -- transactions: a step's writes (copies, loads, its K/V) are lazy until launch ------------
+
+    def begin(self) -> None:
+        """Remember the pools, so that ``rollback`` drops every write made after this.
+
+        A write (``pool[rows] = x``) makes the very array object it writes to stand
+        for the new value, so what is kept is new handles on the old values.
+        """
+        self._saved_pools = [mx.array(pool) for pool in self.pools()]
+
+    def commit(self) -> None:
+        """Forget the remembered pools; call it before ``launch``, or the writes copy the pools."""
+        self._saved_pools = None
+
+    def rollback(self) -> None:
+        self._set_pools(self._saved_pools)
+        self._saved_pools = None
+        for cache in self.caches:
+            cache.plan = None
 
     def _set_pools(self, pools: list[mx.array]) -> None:
         for cache, keys, values in zip(self.caches, pools[::2], pools[1::2]):
@@ -94,7 +116,7 @@ class ModelRunner:
             cache.keys[rows] = keys
             cache.values[rows] = values
 
-    def forward(self, chunks: list[ScheduledChunk], tables: dict[int, list[int]], input_tokens=None) -> mx.array:
+    def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> mx.array:
         """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order.
 
         ``chunks`` must list single-token chunks first. ``input_tokens``, if
@@ -108,9 +130,9 @@ class ModelRunner:
             if chunk.completes:
                 sample_rows.append(row - 1)
         if self.compile_steps and all(self._as_rows(c) for c in chunks):
-            hidden = self._forward_rows(chunks, tables, input_tokens)
+            hidden = self._forward_rows(chunks, input_tokens)
         else:
-            hidden = self._forward_eager(chunks, tables, input_tokens)
+            hidden = self._forward_eager(chunks, input_tokens)
         count = len(sample_rows)
         if count == 0 or sample_rows[-1] == count - 1:  # rows 0..count-1 (decode steps): a slice, no gather
             hidden = hidden[:count, 0]
@@ -147,9 +169,9 @@ class ModelRunner:
         plan = AttentionPlan(self.block_size, positions, slots, tokens.shape[0], block_tables, context_lens)
         return self._body(tokens[:, None], plan), self.pools()
 
-    def _forward_rows(self, chunks, tables, input_tokens) -> mx.array:
+    def _forward_rows(self, chunks, input_tokens) -> mx.array:
         num_rows = sum(c.num_tokens for c in chunks)
-        width = max(len(tables[c.request.request_id]) for c in chunks)
+        width = max(len(c.request.blocks.table) for c in chunks)
         rows, width = padded_size(num_rows), padded_size(width)
         # Padding rows: token 0 at position 0, written to and read from the null block.
         tokens, positions, slots = (np.zeros(rows, dtype=np.int32) for _ in range(3))
@@ -158,25 +180,31 @@ class ModelRunner:
         for chunk in chunks:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
-            table = tables[request.request_id]
+            table = request.blocks.table
             if input_tokens is None:
                 tokens[row : row + n] = request.token_slice(start, start + n)
             positions[row : row + n] = np.arange(start, start + n)
             slots[row : row + n] = chunk.slots
             block_tables[row : row + n, : len(table)] = table
             row += n
-        if input_tokens is None:
-            input_tokens = mx.array(tokens)
-        else:
-            input_tokens = mx.pad(input_tokens, (0, rows - num_rows))
+        padded = mx.array(tokens) if input_tokens is None else mx.pad(input_tokens, (0, rows - num_rows))
         # Each row sees its context up to and including its own position.
-        arrays = [input_tokens] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
+        arrays = [padded] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
         pools = self.pools()
+        shape = (rows, width)
+        traced = shape in self._traced_shapes
         try:
-            hidden, new_pools = self._compiled_for((rows, width))(*arrays, pools)
-        except BaseException:
+            hidden, new_pools = self._compiled_for(shape)(*arrays, pools)
+        except BaseException as e:
             self._set_pools(pools)  # a failed trace must not leave its placeholders in the caches
-            raise
+            if traced or not isinstance(e, Exception):
+                raise
+            self._traced_shapes.discard(shape)
+            hidden = self._forward_eager(chunks, input_tokens)  # a step that fails eagerly too raises here
+            # The model's code cannot be traced (it reads array values, say): run its steps eagerly.
+            warnings.warn(f"steps of this model cannot be compiled ({e}); running them eagerly", RuntimeWarning, stacklevel=2)
+            self.compile_steps = False
+            return hidden
         self._set_pools(new_pools)
         return hidden
 
@@ -188,10 +216,10 @@ class ModelRunner:
             self._traced_shapes.add(shape)
         return self._compiled_rows
 
-    def _forward_eager(self, chunks, tables, input_tokens) -> mx.array:
+    def _forward_eager(self, chunks, input_tokens) -> mx.array:
         tokens, positions, slots = [], [], []
         decode = [c for c in chunks if c.num_tokens == 1]
-        width = max((len(tables[c.request.request_id]) for c in decode), default=0)
+        width = max((len(c.request.blocks.table) for c in decode), default=0)
         decode_tables = np.zeros((len(decode), width), dtype=np.int32)
         decode_lens = np.zeros(len(decode), dtype=np.int32)
         prefills = []
@@ -202,7 +230,7 @@ class ModelRunner:
             tokens.extend(request.token_slice(start, start + n))
             positions.extend(range(start, start + n))
             slots.extend(chunk.slots)
-            table = tables[request.request_id]
+            table = request.blocks.table
             if n == 1:
                 if row >= len(decode):
                     raise ValueError("single-token chunks must come first")

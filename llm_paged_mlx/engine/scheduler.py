@@ -3,17 +3,35 @@
 Each step has a token budget (``max_num_batched_tokens``) and a sequence cap
 (``max_num_seqs``). Running requests go first, in policy order, each with its
 next token or its next prefill chunk; then waiting requests are admitted in
-policy order while budget, sequences and blocks last. When a running request
-needs a block and none is free, the lowest-ranked running request is
-preempted; what happens to its K/V is the swap policy's business.
+policy order while budget, sequences and blocks last.
+
+- When a running request needs a block and none is free, the lowest-ranked
+  running request below it is preempted (what happens to its K/V is the swap
+  policy's business); a request preempted ``MAX_PREEMPTIONS`` times is not
+  taken again, and a request with no one below it to take yields its own
+  blocks.
+- A waiting request that does not fit lets later ones in, until
+  ``MAX_BYPASSES`` of them have passed it; then admission waits for it.
+- A waiting request whose policy says it ``preempts`` a running one takes the
+  blocks of such requests when that makes it fit.
+
+A policy is an object with ``key(request)`` (smaller keys run first) and,
+optionally, ``preempts(waiting, running) -> bool``.
+
+``schedule()`` changes requests and blocks; between ``begin()`` and
+``commit()`` it can all be undone with ``rollback()`` (the engine does when a
+step fails before it runs).
 """
 
 from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 from ..hookspecs import hookimpl
 from .block_manager import BlockManager
 from .request import Request, Status
-from .runner import ScheduledChunk
+
+MAX_PREEMPTIONS = 4
+MAX_BYPASSES = 16
 
 
 class FCFSPolicy:
@@ -26,12 +44,25 @@ class FCFSPolicy:
 
 
 class PriorityPolicy:
-    """Smaller ``SamplingParams.priority`` first, then arrival order."""
+    """Smaller ``SamplingParams.priority`` first, then arrival order.
+
+    Requests age: arriving ``aging_s`` seconds earlier counts as one priority
+    level, so a stream of urgent requests cannot starve the rest. An arrival
+    whose (aged) level is smaller than a running request's preempts it when
+    that frees the blocks it needs.
+    """
 
     name = "priority"
+    aging_s = 60.0
 
     def key(self, request: Request):
-        return (request.params.priority, request.arrival)
+        return (self._level(request), request.arrival)
+
+    def preempts(self, waiting: Request, running: Request) -> bool:
+        return self._level(waiting) < self._level(running)
+
+    def _level(self, request: Request) -> float:
+        return request.params.priority + request.arrival_time / self.aging_s
 
 
 @hookimpl
@@ -41,31 +72,67 @@ def register_schedulers(register):
 
 
 @dataclass
-class SchedulerOutput:
+class ScheduledChunk:
+    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to."""
+
+    request: Request
+    num_tokens: int
+    slots: list[int]
+
+    @property
+    def completes(self) -> bool:
+        """Whether the chunk reaches the request's last token, so its logits are sampled."""
+        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+
+
+@dataclass
+class StepPlan:
     chunks: list[ScheduledChunk]  # single-token chunks first
-    preempted: list[tuple[Request, list[int]]] = field(default_factory=list)  # with their old blocks
+    preempted: list[tuple[Request, list[int]]] = field(default_factory=list)  # with the blocks they held
+    admitted: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     disk_loads: list[tuple[int, list]] = field(default_factory=list)  # (block id, its K/V from the disk tier)
+
+
+# The request fields a step may change, saved before its first change.
+_REQUEST_STATE = (
+    "status",
+    "num_computed",
+    "swap_handle",
+    "num_cached_tokens",
+    "num_disk_cached_tokens",
+    "num_preemptions",
+    "num_bypassed",
+)
 
 
 class Scheduler:
     """Plans each step over the block manager.
 
-    ``load_blocks(parent_hash, blocks_token_ids)``, if given, returns the K/V of
-    the full blocks that follow a cached prefix, as far as the disk tier has them.
+    ``load_prefix(parent_hash, blocks_token_ids)``, if given, returns the K/V of
+    the full blocks that follow a cached prefix, as far as the disk tier has
+    them; it is asked only for blocks an admitted request has room for.
     """
 
-    def __init__(self, blocks: BlockManager, policy, max_num_seqs: int, max_num_batched_tokens: int, load_blocks=None):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        policy,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        load_prefix: Optional[Callable] = None,
+    ):
         self.blocks = blocks
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.load_prefix = load_prefix
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
-        self.load_blocks = load_blocks
         self.disk_hit_tokens = 0
+        self._saved: Optional[tuple] = None
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -76,90 +143,182 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.blocks.free(request.request_id)
+        self.blocks.free(request.blocks)
 
-    def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput(chunks=[])
+    def start_over(self) -> None:
+        """Every request back to waiting, its blocks freed: its K/V are computed again (or swapped back in)."""
+        for request in self.running + self.waiting:
+            self.blocks.free(request.blocks)
+            if request.swap_handle is None:
+                request.num_computed = 0
+            request.status = Status.WAITING
+        self.waiting, self.running = self.running + self.waiting, []
+
+    # -- transactions -------------------------------------------------------------
+
+    def begin(self) -> None:
+        counters = (self.num_preemptions, self.prefix_hit_tokens, self.disk_hit_tokens)
+        self._saved = (list(self.running), list(self.waiting), counters, {})
+        self.blocks.begin()
+
+    def commit(self) -> None:
+        self._saved = None
+        self.blocks.commit()
+
+    def rollback(self) -> None:
+        """Put requests, queues, counters and blocks back as they were at ``begin``."""
+        (self.running, self.waiting, counters, requests), self._saved = self._saved, None
+        self.num_preemptions, self.prefix_hit_tokens, self.disk_hit_tokens = counters
+        for request, state in requests.values():
+            for name, value in zip(_REQUEST_STATE, state):
+                setattr(request, name, value)
+        self.blocks.rollback()
+
+    def touch(self, request: Request) -> None:
+        """Save a request's state before the step changes it (for ``rollback``)."""
+        if self._saved is not None and id(request) not in self._saved[3]:
+            self._saved[3][id(request)] = (request, tuple(getattr(request, name) for name in _REQUEST_STATE))
+
+    # -- planning -----------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan(chunks=[])
         budget = self.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_pending, budget)
-            slots = self.blocks.append_slots(request.request_id, count)
+            slots = self.blocks.append_slots(request.blocks, request.num_computed, count)
             while slots is None:
-                victim = self.running.pop()
-                out.preempted.append((victim, self.blocks.block_table(victim.request_id)))
-                self._preempt(victim)
+                victim = self._victim(index)
+                self._preempt(victim, plan)
                 if victim is request:
                     break
-                slots = self.blocks.append_slots(request.request_id, count)
+                slots = self.blocks.append_slots(request.blocks, request.num_computed, count)
             if slots is not None:
-                out.chunks.append(ScheduledChunk(request, count, slots))
+                plan.chunks.append(ScheduledChunk(request, count, slots))
                 budget -= count
                 index += 1
-        if not out.preempted:
-            self._admit(out, budget)
-        out.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
-        return out
+        if not plan.preempted:
+            self._admit(plan, budget)
+        plan.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
+        return plan
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+    def _victim(self, index: int) -> Request:
+        """The lowest-ranked running request below ``running[index]`` that may be preempted, else that one."""
+        for victim in reversed(self.running[index + 1 :]):
+            if victim.num_preemptions < MAX_PREEMPTIONS:
+                return victim
+        return self.running[index]
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        self.touch(victim)
+        plan.preempted.append((victim, victim.blocks.table))
+        self.blocks.free(victim.blocks)
+        self.running.remove(victim)
+        victim.status = Status.WAITING
+        victim.num_preemptions += 1
+        self.waiting.append(victim)
+        self.num_preemptions += 1
+
+    def _admit(self, plan: StepPlan, budget: int) -> None:
         self.waiting.sort(key=self.policy.key)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            rid = request.request_id
-            from_disk = 0
-            if request.swap_handle is not None:
-                if self.blocks.append_slots(rid, request.num_computed) is None:
-                    return
-                out.swapped_in.append(request)
-            else:
-                request.num_computed = self.blocks.allocate_prefix(rid, request.token_ids)
-                from_disk = self._load_from_disk(request, out)
-                request.num_computed += from_disk
-            count = min(request.num_pending, budget)
-            slots = self.blocks.append_slots(rid, count)
-            if slots is None:
-                if request.swap_handle is not None:
-                    out.swapped_in.pop()
-                self.blocks.free(rid)
+        passed_over: list[Request] = []
+        for request in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 return
-            self.waiting.pop(0)
-            if not out.swapped_in or out.swapped_in[-1] is not request:
-                request.num_cached_tokens = max(request.num_cached_tokens, request.num_computed)
-                request.num_disk_cached_tokens = max(request.num_disk_cached_tokens, from_disk)
-                self.prefix_hit_tokens += request.num_computed - from_disk
-                self.disk_hit_tokens += from_disk
-            request.status = Status.RUNNING
-            self.running.append(request)
-            out.chunks.append(ScheduledChunk(request, count, slots))
-            budget -= count
+            chunk = self._admit_one(request, budget, plan)
+            if chunk is None:
+                passed_over.append(request)
+                if request.num_bypassed >= MAX_BYPASSES:
+                    return
+                continue
+            budget -= chunk.num_tokens
+            for waiting in passed_over:
+                self.touch(waiting)
+                waiting.num_bypassed += 1
 
-    def _load_from_disk(self, request: Request, out: SchedulerOutput) -> int:
+    def _admit_one(self, request: Request, budget: int, plan: StepPlan) -> Optional[ScheduledChunk]:
+        """Admit ``request`` with a chunk of at most ``budget`` tokens if its blocks fit; None if not."""
+        size, seq, tokens = self.blocks.block_size, request.blocks, request.token_ids
+        if request.swap_handle is not None:  # its kept K/V go to new blocks, then the chunk
+            start, prefix = request.num_computed, []
+        else:
+            prefix = self.blocks.cached_prefix(seq, tokens)
+            start = len(prefix) * size
+        count = min(len(tokens) - start, budget)
+        needed = -(-(start + count) // size) - len(prefix)
+        free = self.blocks.num_free_blocks - sum(self.blocks.blocks[b].ref_count == 0 for b in prefix)
+        if needed > free and not self._make_room(request, needed - free, prefix, plan):
+            return None
+        self.touch(request)
+        self.waiting.remove(request)
+        self.running.append(request)
+        plan.admitted.append(request)
+        request.status = Status.RUNNING
+        if request.swap_handle is not None:
+            self.blocks.append_slots(seq, 0, start)
+            plan.swapped_in.append(request)
+        else:
+            hit = self.blocks.allocate_prefix(seq, tokens)
+            from_disk = self._load_from_disk(request, budget, plan)
+            request.num_computed = start = hit + from_disk
+            count = min(len(tokens) - start, budget)
+            request.num_cached_tokens = max(request.num_cached_tokens, start)
+            request.num_disk_cached_tokens = max(request.num_disk_cached_tokens, from_disk)
+            self.prefix_hit_tokens += hit
+            self.disk_hit_tokens += from_disk
+        chunk = ScheduledChunk(request, count, self.blocks.append_slots(seq, start, count))
+        plan.chunks.append(chunk)
+        return chunk
+
+    def _make_room(self, request: Request, short: int, prefix: list[int], plan: StepPlan) -> bool:
+        """Preempt running requests the policy lets ``request`` preempt, if that frees ``short`` blocks."""
+        preempts = getattr(self.policy, "preempts", None)
+        if preempts is None:
+            return False
+        victims, freed = [], 0
+        for victim in sorted(self.running, key=self.policy.key, reverse=True):
+            if freed >= short:
+                break
+            if victim.num_preemptions < MAX_PREEMPTIONS and victim not in plan.admitted and preempts(request, victim):
+                victims.append(victim)
+                freed += sum(self.blocks.blocks[b].ref_count == 1 and b not in prefix for b in victim.blocks.table)
+        if freed < short:
+            return False
+        for victim in victims:
+            plan.chunks = [c for c in plan.chunks if c.request is not victim]
+            self._preempt(victim, plan)
+        return True
+
+    def _load_from_disk(self, request: Request, budget: int, plan: StepPlan) -> int:
         """Continue the request's cached prefix with full blocks from the disk tier; returns their tokens.
 
-        As for the memory cache, the last prompt token is always left to compute.
-        The blocks enter the prefix cache now; the engine writes their K/V before
-        the forward pass.
+        As for the memory cache, the last prompt token is always left to
+        compute. Blocks are asked for only as far as the request still fits
+        with them. They enter the prefix cache now; the engine writes their K/V
+        before the forward pass.
         """
-        if self.load_blocks is None:
+        if self.load_prefix is None:
             return 0
-        rid, size, tokens = request.request_id, self.blocks.block_size, request.token_ids
-        starts = range(request.num_computed, len(tokens) - size, size)[: self.blocks.num_free_blocks]
+        size, seq, tokens = self.blocks.block_size, request.blocks, request.token_ids
+        start = len(seq.table) * size
+        starts = []
+        for block_start in range(start, len(tokens) - size, size):
+            count = min(len(tokens) - block_start - size, budget)
+            if -(-(block_start + size + count) // size) - len(seq.table) > self.blocks.num_free_blocks:
+                break
+            starts.append(block_start)
         if not starts:
             return 0
-        found = self.load_blocks(self.blocks.prefix_hash(rid), [tokens[s : s + size] for s in starts])
+        parent = seq.hashes[len(seq.table) - 1] if seq.table else None
+        found = self.load_prefix(parent, [tokens[s : s + size] for s in starts])
         loaded = 0
-        for start, data in zip(starts, found):
-            block_id = self.blocks.append_cached_block(rid, tokens[start : start + size])
+        for block_start, data in zip(starts, found):
+            block_id = self.blocks.append_cached_block(seq, tokens[: block_start + size])
             if block_id is None:
                 break
-            out.disk_loads.append((block_id, data))
+            plan.disk_loads.append((block_id, data))
             loaded += size
         return loaded
-
-    def _preempt(self, request: Request) -> None:
-        self.blocks.free(request.request_id)
-        request.status = Status.WAITING
-        self.waiting.append(request)
-        self.num_preemptions += 1

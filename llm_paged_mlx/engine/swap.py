@@ -3,13 +3,16 @@
 ``swap_out(blocks, runner)`` runs when a request is preempted, before its
 blocks are reused, and returns a handle (or None to recompute the tokens
 later). ``swap_in(handle, blocks, runner)`` writes the kept K/V into the
-request's new blocks when it is resumed.
+request's new blocks when it is resumed. A policy that keeps its copies
+somewhere that needs releasing (a file, say) also has ``discard(handle)``:
+the engine calls it once a handle is no longer needed (swapped in, its
+request finished, or its preemption undone with a failed step).
 """
 
 import mlx.core as mx
-import numpy as np
 
 from ..hookspecs import hookimpl
+from .disk.format import device, host
 
 
 class RecomputePolicy:
@@ -32,10 +35,10 @@ class CPUSwapPolicy:
     def swap_out(self, blocks, runner):
         data = runner.read_blocks(blocks)
         mx.eval(data)
-        return [np.array(a) for a in data]
+        return [(host(a), a.dtype) for a in data]
 
     def swap_in(self, handle, blocks, runner):
-        runner.write_blocks(blocks, [mx.array(a) for a in handle])
+        runner.write_blocks(blocks, [device(a, dtype) for a, dtype in handle])
 
 
 @hookimpl

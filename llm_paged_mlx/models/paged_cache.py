@@ -121,11 +121,19 @@ class LayerLayout:
         return self.num_kv_heads * (self.k_dim + self.v_dim) * self.dtype.size
 
 
+def model_config(model: nn.Module):
+    """The model's ModelArgs (mlx-lm keeps them as ``args``, in a few modules as ``config``), or None."""
+    return getattr(model, "args", None) or getattr(model, "config", None)
+
+
+def architecture(model: nn.Module) -> str:
+    """The model's ``model_type``, or the name of its mlx-lm module when it has none."""
+    return getattr(model_config(model), "model_type", None) or type(model).__module__.split(".")[-1]
+
+
 def check_model(model: nn.Module) -> list[LayerLayout]:
     """The K/V layout of each layer, or a ValueError saying why the model is not supported."""
-    model_type = getattr(getattr(model, "args", None), "model_type", type(model).__module__.split(".")[-1])
-    if hasattr(getattr(model, "args", None), "kv_lora_rank"):
-        raise ValueError(f"{model_type}: multi-head latent attention (MLA) is not supported yet")
+    model_type = architecture(model)
     if model_type in _ARANGE_POSITION_MODELS:
         raise ValueError(f"{model_type}: builds RoPE positions with arange(offset), which needs one offset per batch")
     from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
@@ -133,17 +141,63 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
     for _, module in model.named_modules():
         if isinstance(module, DynamicNTKScalingRoPE):
             raise ValueError(f"{model_type}: DynamicNTKScalingRoPE does not accept per-sequence offsets")
-    caches = make_prompt_cache(model)
+    try:
+        caches = make_prompt_cache(model)
+    except Exception as e:
+        raise ValueError(f"{model_type}: mlx-lm cannot make its cache: {type(e).__name__}: {e}") from e
     odd = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if odd:
         raise ValueError(f"{model_type}: needs {', '.join(odd)} (sliding-window or recurrent state), not supported yet")
-    if not install_attention_hook(model):
+    modules = install_attention_hook(model)
+    if not modules:
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
-    model(mx.array([[0]]), cache=caches)  # one token shows each layer's K/V shapes
+    try:
+        attended = _probe(model, caches, modules)
+    except Exception as e:
+        raise ValueError(f"{model_type}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
+    latent = _config_value(model_config(model), "kv_lora_rank")
     layouts = []
     for index, cache in enumerate(caches):
         if cache.keys is None:
             raise ValueError(f"{model_type}: layer {index} stores no K/V in its cache")
         _, heads, _, k_dim = cache.keys.shape
+        if heads == 1 and k_dim == latent:  # deepseek_v3-style MLA caches one latent "head" (youtu_llm: full K/V)
+            raise ValueError(f"{model_type}: multi-head latent attention (MLA) is not supported yet")
+        if id(cache) not in attended:  # the paged kernel would never see this layer's queries
+            raise ValueError(
+                f"{model_type}: layer {index} does not pass its cache to scaled_dot_product_attention "
+                "(it attends to what update_and_fetch returns)"
+            )
         layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype))
     return layouts
+
+
+def _probe(model: nn.Module, caches: list, modules: list[str]) -> set[int]:
+    """Run one token through mlx-lm's own path; the ids of the caches its attention calls were given."""
+    attended = set()
+
+    def recording(*args, **kwargs):
+        attended.add(id(kwargs["cache"] if "cache" in kwargs else args[3]))
+        return paged_scaled_dot_product_attention(*args, **kwargs)
+
+    for name in modules:
+        sys.modules[name].scaled_dot_product_attention = recording
+    try:
+        mx.eval(model(mx.array([[0]]), cache=caches))  # one token shows each layer's K/V shapes
+    finally:
+        for name in modules:
+            sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
+    return attended
+
+
+def _config_value(config, name: str, depth: int = 3):
+    """``name`` in a config object or dict, or in configs nested in it (``text_config``), else None."""
+    fields = config if isinstance(config, dict) else getattr(config, "__dict__", {})
+    if name in fields:
+        return fields[name]
+    for value in fields.values() if depth else ():
+        if isinstance(value, dict) or hasattr(value, "__dataclass_fields__"):
+            found = _config_value(value, name, depth - 1)
+            if found is not None:
+                return found
+    return None

@@ -1,0 +1,229 @@
+"""The model self-check at load: the paged path against mlx-lm's own cache path.
+
+A model is served only if the engine has shown, at load, that it computes what
+mlx-lm computes. Two sequences of fixed random tokens go through the engine's
+runner the way the engine drives it (a prefill in two chunks, one ending
+mid-block and one crossing a block boundary; a mixed prefill and decode step;
+decode steps of both sequences at their own positions across a block
+boundary, compiled when the runner compiles) and through mlx-lm's
+``make_prompt_cache``; the logits must agree within the tolerance of their
+dtype. The verdict depends on the code path, not on the weights, so it is
+kept per fingerprint: in the process, and in a JSON file across processes.
+"""
+
+import functools
+import hashlib
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import mlx.core as mx
+import mlx_lm
+import numpy as np
+from mlx.utils import tree_flatten
+from mlx_lm.models.cache import make_prompt_cache
+
+from .. import files
+from ..kernels.dialect import read_template
+from ..models.paged_cache import architecture, model_config
+from .request import Request, SamplingParams
+from .scheduler import ScheduledChunk
+
+# The largest relative error (of a logits row, in L2 norm) accepted, by the dtype of the compared values:
+# exact models stay well under these, and attention a few percent off goes over them (measured in
+# benchmarks/RESULTS.md). Float32 leaves room for MLX's CUDA backend, whose float32 matmuls are TF32-like.
+TOLERANCE = {mx.float32: 5e-3, mx.float16: 2e-2, mx.bfloat16: 5e-2}
+DECODE_STEPS = 3
+
+_verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the reason for refusing
+_UNKNOWN = object()
+# The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
+_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py")
+
+
+class _NoVerdict(Exception):
+    """The check could not run to a comparison (an error that may not recur): it refuses, but is not kept."""
+
+
+def check_against_mlx_lm(model, runner, verdict_file=None) -> None:
+    """Raise ``ValueError(f"{architecture}: reason")`` unless the paged path gives mlx-lm's logits.
+
+    ``runner`` must be fresh: the check writes the first blocks after the null
+    block (their contents mean nothing after; no block is held) and leaves its
+    compiled traces; a pool too small for the check gets a runner of its own.
+    ``verdict_file``, if given, keeps verdicts across processes: an unreadable
+    one is ignored and rewritten, one that cannot be written is warned about.
+    Only comparisons are kept: a check that fails with an error (out of
+    memory, say) refuses the model this time and runs again next time.
+    """
+    key = fingerprint(model, runner)
+    stored = _read(verdict_file) if verdict_file is not None else {}
+    verdict = _verdicts.get(key, stored.get(key, _UNKNOWN))
+    if verdict is _UNKNOWN:
+        try:
+            verdict = _verdict(model, runner)
+        except _NoVerdict as e:
+            raise ValueError(str(e)) from e.__cause__
+    _verdicts[key] = verdict
+    if verdict_file is not None and stored.get(key, _UNKNOWN) != verdict:
+        try:
+            _write(verdict_file, {**stored, key: verdict})
+        except OSError as e:
+            warnings.warn(f"could not keep the model check's verdict in {verdict_file} ({e})", RuntimeWarning)
+    if verdict is not None:
+        raise ValueError(verdict)
+
+
+def fingerprint(model, runner) -> str:
+    """A hash of what decides the code path: architecture, config, dtypes, kernel, device, versions."""
+    config = model_config(model)
+    quantized = {
+        (type(m).__name__, getattr(m, "bits", None), getattr(m, "group_size", None), getattr(m, "mode", None))
+        for _, m in model.named_modules()
+        if hasattr(m, "bits")
+    }
+    facts = {
+        "model": f"{type(model).__module__}.{type(model).__qualname__}",
+        "config": vars(config) if config is not None else None,
+        "parameters": [(name, p.shape, str(p.dtype)) for name, p in tree_flatten(model.parameters())],
+        "quantized": sorted(quantized, key=repr),
+        "kernel": runner.caches[0].kernel.name,
+        "device": str(mx.default_device()),
+        "block_size": runner.block_size,
+        "compile_steps": runner.compile_steps,
+        "versions": [mx.__version__, mlx_lm.__version__, _own_code()],
+    }
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=repr).encode()).hexdigest()
+
+
+@functools.cache
+def _own_code() -> str:
+    """A hash of this package's code that the paged path runs."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(read_template().encode())
+    for pattern in _OWN_SOURCES:
+        for path in sorted(root.glob(pattern)):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def _verdict(model, runner) -> Optional[str]:
+    """None if the paged path gives mlx-lm's logits on the check's sequences, else why not.
+
+    Raises ``_NoVerdict`` if either path fails before the logits can be compared.
+    """
+    arch = architecture(model)
+    size = runner.block_size
+    # The long prompt ends 2 tokens before a block boundary, the short one 1 token before: their decode steps
+    # cross a boundary at different positions. The short one also decodes in the long one's second prefill step.
+    long_len, short_len = max(3 * size - 2, 4), max(size - 1, 2)
+    rng = np.random.default_rng(0)
+    vocab = getattr(model_config(model), "vocab_size", None) or 32
+    long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()
+    short = rng.integers(0, vocab, short_len + DECODE_STEPS + 1).tolist()
+    need = 1 + -(-len(long) // size) + -(-len(short) // size)  # with the null block
+    if runner.caches[0].shape[0] < need:
+        runner = runner.with_pools(need)
+    try:
+        expected = _reference(model, long, long_len) + _reference(model, short, short_len)
+    except Exception as e:
+        raise _NoVerdict(f"{arch}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
+    try:
+        got = _paged(runner, long, long_len, short, short_len)
+    except Exception as e:
+        raise _NoVerdict(f"{arch}: fails on the paged cache: {type(e).__name__}: {e}") from e
+    labels = [_label(long_len, i) for i in range(DECODE_STEPS + 1)]
+    labels += [_label(short_len, i) for i in range(DECODE_STEPS + 2)]
+    # The tolerance of the less precise of the logits and the K/V pools.
+    dtype = min(expected[0].dtype, runner.caches[0].keys.dtype, key=lambda d: d.size)
+    tolerance = TOLERANCE.get(dtype, TOLERANCE[mx.float32])
+    for label, want, have in zip(labels, expected, got):
+        if mx.any(mx.isnan(want)).item():  # the weights', not the code path's, doing
+            raise _NoVerdict(f"{arch}: mlx-lm's own logits hold NaN at {label}")
+        error = _relative_error(want, have)
+        if not error <= tolerance:  # NaN fails too
+            return f"{arch}: paged attention gives different logits than mlx-lm (relative error {error:.3g} at {label})"
+    return None
+
+
+def _label(prompt_len: int, step: int) -> str:
+    if step == 0:
+        return f"the {prompt_len}-token prompt's prefill"
+    return f"the {prompt_len}-token prompt's decode step {step} (position {prompt_len + step - 1})"
+
+
+def _relative_error(want: mx.array, have: mx.array) -> float:
+    """The L2 relative error of the finite logits; infinite ones (masked tokens) must be equal."""
+    want, have = want.astype(mx.float32), have.astype(mx.float32)
+    masked = mx.isinf(want)
+    if not mx.array_equal(mx.where(masked, want, 0), mx.where(masked, have, 0)).item():
+        return math.inf
+    want, have = mx.where(masked, 0, want), mx.where(masked, 0, have)
+    return (mx.linalg.norm(have - want) / mx.maximum(mx.linalg.norm(want), 1e-30)).item()
+
+
+def _reference(model, tokens: list[int], prompt_len: int) -> list[mx.array]:
+    """mlx-lm's logits of the prompt's last token, then of each token after it, fed one at a time."""
+    cache = make_prompt_cache(model)
+    rows = [model(mx.array(tokens[:prompt_len])[None], cache=cache)[0, -1]]
+    for token in tokens[prompt_len:]:
+        rows.append(model(mx.array([[token]]), cache=cache)[0, -1])
+    mx.eval(rows)
+    return rows
+
+
+def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: int) -> list[mx.array]:
+    """The runner's logits for the same rows as ``_reference``, in its order (long, then short)."""
+    size = runner.block_size
+    a = Request(-1, long[:long_len], SamplingParams(), max_total_tokens=len(long))
+    b = Request(-2, short[:short_len], SamplingParams(), max_total_tokens=len(short))
+    ids = iter(range(1, runner.caches[0].shape[0]))  # block 0 is the null block
+    blocks = {id(r): [next(ids) for _ in range(-(-r.max_total_tokens // size))] for r in (a, b)}
+
+    def chunk(request, count):
+        start = request.num_computed
+        request.blocks.table = blocks[id(request)][: -(-(start + count) // size)]
+        slots = [request.blocks.table[p // size] * size + p % size for p in range(start, start + count)]
+        return ScheduledChunk(request, count, slots)
+
+    def step(*chunks):
+        logits = runner.forward(list(chunks))
+        runner.launch(logits)
+        mx.synchronize()
+        for c in chunks:
+            c.request.num_computed += c.num_tokens
+        return [logits[i] for i in range(logits.shape[0])]
+
+    first = size + size // 2  # the long prefill's first chunk ends mid-block, the second crosses a boundary
+    (short_prefill,) = step(chunk(a, first), chunk(b, short_len))
+    b.output_token_ids.append(short[short_len])
+    short_rows, long_rows = [short_prefill], []
+    mixed = step(chunk(b, 1), chunk(a, long_len - first))  # single-token chunks first, as the scheduler orders
+    short_rows.append(mixed[0])
+    long_rows.append(mixed[1])
+    for i in range(DECODE_STEPS):
+        a.output_token_ids.append(long[long_len + i])
+        b.output_token_ids.append(short[short_len + 1 + i])
+        row_a, row_b = step(chunk(a, 1), chunk(b, 1))
+        long_rows.append(row_a)
+        short_rows.append(row_b)
+    return long_rows + short_rows
+
+
+def _read(path) -> dict:
+    """The verdicts kept in ``path`` (a pass, None, or a refusal's reason); none if it is missing or unreadable."""
+    try:
+        stored = json.loads(Path(path).read_text())
+    except (OSError, ValueError, RecursionError):
+        return {}
+    if not isinstance(stored, dict):
+        return {}
+    return {key: verdict for key, verdict in stored.items() if verdict is None or isinstance(verdict, str)}
+
+
+def _write(path, verdicts: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(path, json.dumps(verdicts, indent=1, sort_keys=True).encode())

@@ -1,0 +1,185 @@
+"""Engine steps are transactions: a step that fails before it is launched leaves no trace.
+
+Each test fails one stage of one step (a policy, a swap, a disk load, the forward pass,
+sampling, the wait for the device) and checks that every request still gets mlx-lm's
+greedy tokens and every block comes back.
+"""
+
+import functools
+import random
+import signal
+
+import mlx.core as mx
+import pytest
+from faults import Fault, Injector, run_through_faults
+from models import tiny_model
+from test_engine import random_prompts, reference
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import engine as engine_module
+from llm_paged_mlx.engine.runner import ModelRunner
+from llm_paged_mlx.engine.scheduler import FCFSPolicy
+from llm_paged_mlx.engine.swap import CPUSwapPolicy
+
+LENGTHS = [40, 300, 120, 7, 64, 200]
+MAX_TOKENS = 60  # long enough that slots written one position off show up in the tokens
+
+
+@functools.cache
+def workload():
+    model = tiny_model("qwen3")
+    prompts = random_prompts(LENGTHS)
+    return model, prompts, [reference(model, p, MAX_TOKENS) for p in prompts]
+
+
+def small_engine(model, **options):
+    """A pool too small for the workload at once: it preempts and swaps."""
+    return Engine(model, num_blocks=30, max_num_batched_tokens=64, swap_policy="cpu", **options)
+
+
+STAGES = {
+    "policy": (FCFSPolicy, "key", [40]),
+    "swap out": (CPUSwapPolicy, "swap_out", [1, 3]),
+    "swap in": (CPUSwapPolicy, "swap_in", [1, 2]),
+    "forward": (ModelRunner, "forward", [5, 30, 31]),
+    "sample": (engine_module, "sample", [4, 20]),
+}
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_failed_step_is_undone_and_every_request_gets_mlx_lm_s_tokens(stage, monkeypatch):
+    model, prompts, expected = workload()
+    owner, name, fail_on = STAGES[stage]
+    injector = Injector(monkeypatch, owner, name, fail_on)
+    engine = small_engine(model)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert injector.failures == len(fail_on)
+    assert engine.stats()["preemptions"] > 0
+    for prompt, tokens, want in zip(prompts, got, expected):
+        assert tokens == want, f"prompt of {len(prompt)} tokens"
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_an_interrupted_wait_is_undone_and_read_again(monkeypatch):
+    model, prompts, expected = workload()
+    injector = Injector(monkeypatch, engine_module.mx, "synchronize", [3, 10, 11, 40], KeyboardInterrupt)
+    engine = small_engine(model)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (KeyboardInterrupt,))
+    assert injector.failures == 4
+    assert got == expected
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_bfloat16_requests_swap_to_host_memory_and_back():
+    model = tiny_model("qwen3")
+    model.set_dtype(mx.bfloat16)
+    prompts = random_prompts(LENGTHS)
+    roomy = Engine(model, num_blocks=200)
+    expected = [o.token_ids for o in roomy.generate(prompts, SamplingParams(max_tokens=20))]
+    engine = small_engine(model)
+    got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=20))]
+    assert engine.stats()["preemptions"] > 0 and roomy.stats()["preemptions"] == 0
+    assert got == expected
+
+
+def test_what_was_read_before_a_failed_step_comes_with_the_next(monkeypatch):
+    model, prompts, expected = workload()
+    engine = small_engine(model)
+    rid = engine.add_request(prompts[3], SamplingParams(max_tokens=1))
+    assert engine.step() == []  # the prefill is launched
+    Injector(monkeypatch, engine.scheduler, "schedule", [1])
+    with pytest.raises(Fault):
+        engine.step()  # reads the request's only token, then fails to schedule the next step
+    assert engine.has_unfinished()  # a chunk is waiting to be returned
+    (chunk,) = engine.step()
+    assert (chunk.request_id, chunk.token_ids, chunk.finish_reason) == (rid, expected[3][:1], "length")
+    assert not engine.has_unfinished()
+
+
+def test_an_abort_after_a_failed_step_carries_what_was_read(monkeypatch):
+    model, prompts, expected = workload()
+    engine = small_engine(model)
+    rid = engine.add_request(prompts[3], SamplingParams(max_tokens=5))
+    engine.step()
+    other = engine.add_request(prompts[0], SamplingParams(max_tokens=5))  # waiting: the next step reads first
+    Injector(monkeypatch, engine.scheduler, "schedule", [1])
+    with pytest.raises(Fault):
+        engine.step()  # reads the first token, then fails
+    last = engine.abort(rid)
+    assert (last.token_ids, last.finish_reason) == (expected[3][:1], "abort")
+    engine.abort(other)
+    assert engine.step() == [] and not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("where", ["launch", "wait"])
+def test_a_device_failure_in_a_launched_step_starts_every_request_over(where, monkeypatch):
+    """The device failing to run a launched step leaves the pools unknown: every request is computed
+    again from its tokens (the error reaches the caller), and still gets mlx-lm's tokens."""
+    model, prompts, expected = workload()
+    engine = small_engine(model)
+    if where == "launch":
+        Injector(monkeypatch, engine.runner, "launch", [6, 20], RuntimeError)
+    else:
+        Injector(monkeypatch, engine_module.mx, "synchronize", [6, 20], RuntimeError)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (RuntimeError,))
+    assert got == expected
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_a_failing_discard_of_a_swap_policy_loses_nothing(monkeypatch):
+    model, prompts, expected = workload()
+    calls = []
+
+    def discard(self, handle):
+        calls.append(handle)
+        raise OSError("the swap store is gone")
+
+    monkeypatch.setattr(CPUSwapPolicy, "discard", discard, raising=False)
+    engine = small_engine(model)
+    with pytest.warns(RuntimeWarning, match="discard failed"):
+        got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))]
+    assert calls and got == expected
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch):
+    """Real SIGINTs, raised at random points all through the engine's step, while the caller keeps stepping."""
+    model, prompts, expected = workload()
+    engine = small_engine(model)
+    rng, sent = random.Random(5), []
+
+    def sigint_now_and_then(function):
+        def interrupted(*args, **kwargs):
+            if rng.random() < 0.05:
+                sent.append(function.__name__)
+                signal.raise_signal(signal.SIGINT)
+            result = function(*args, **kwargs)
+            if rng.random() < 0.05:
+                sent.append(function.__name__)
+                signal.raise_signal(signal.SIGINT)
+            return result
+
+        return interrupted
+
+    points = {
+        engine: ["_wait", "_apply", "_append", "_finish", "_launch", "_prepare"],
+        engine.scheduler: ["schedule", "commit", "rollback", "remove"],
+        engine.blocks: ["append_slots", "allocate_prefix", "cache_full_blocks", "free"],
+        engine.runner: ["forward", "launch", "read_blocks", "write_blocks"],
+    }
+    for owner, names in points.items():
+        for name in names:
+            monkeypatch.setattr(owner, name, sigint_now_and_then(getattr(owner, name)))
+    ids = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS)) for p in prompts]
+    outputs, interrupted = {rid: [] for rid in ids}, 0
+    while engine.has_unfinished():
+        try:
+            chunks = engine.step()
+        except KeyboardInterrupt:
+            interrupted += 1
+            continue
+        for chunk in chunks:
+            outputs[chunk.request_id] += chunk.token_ids
+    assert 10 < interrupted <= len(sent)  # two SIGINTs within one held stretch raise once
+    assert [outputs[rid] for rid in ids] == expected
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
