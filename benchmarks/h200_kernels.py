@@ -1,6 +1,6 @@
 """Checks and times paged decode attention on an MLX CUDA GPU (one command on the H200).
 
-    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick] [--engine]
+    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick] [--engine] [--quantized]
 
 1. Correctness: the fused CUDA kernel against the portable kernel (float32) per dtype / head dim /
    block size / GQA ratio, with every position a row must not see set to NaN.
@@ -12,7 +12,10 @@
    alternation, so drift of the shared machine hits them alike.
 4. Fused variants (warps, partition size, another template) and prefill chunks served as
    rows of the fused kernel vs the portable prefill.
-5. With ``--engine``: then the end-to-end comparison of ``engine_throughput.py`` (the engine
+5. Quantized K/V (``--quantized`` runs this section alone): the fused kernel over bf16, 8-bit
+   and 4-bit pools (group 64) of the same values, 1 and 8 sequences at 8K-128K context, timed
+   in alternation; "GB/s" counts the K/V bytes a call reads (packed words, scales and biases).
+6. With ``--engine``: then the end-to-end comparison of ``engine_throughput.py`` (the engine
    vs mlx-lm's BatchGenerator at 16 and 64 requests), so one command checks and times it all.
 
 The last lines printed are the result table (followed by the engine's with ``--engine``).
@@ -31,6 +34,7 @@ import mlx.core as mx
 from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.plan import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.portable import decode_attention
+from llm_paged_mlx.kernels.quantized import QuantizedPool
 
 Q_HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 DTYPE = mx.bfloat16
@@ -155,11 +159,82 @@ def bench_prefill(context, chunk, decode_batch=8):
     return result
 
 
+def pool_bytes(pool) -> int:
+    if isinstance(pool, QuantizedPool):
+        return pool.data.nbytes + pool.scales.nbytes + pool.biases.nbytes
+    return pool.nbytes
+
+
+def bench_quantized(batch, context, kernels, group_size=64):
+    """The fused kernel over bf16, 8-bit and 4-bit pools of the same values (each quantized kind also
+    with the other ``kernels``, e.g. other partition sizes): ms per call, GB/s read, error."""
+    queries, k_pool, v_pool, tables, lens = make_case(batch, context)
+    pools = {"bf16": (k_pool, v_pool)}
+    for bits in (8, 4):
+        pools[f"q{bits}"] = tuple(
+            QuantizedPool(*mx.quantize(p, group_size, bits), bits, group_size) for p in (k_pool, v_pool)
+        )
+        mx.eval([(p.data, p.scales, p.biases) for p in pools[f"q{bits}"]])
+    scale = DIM**-0.5
+    fns = {}
+    for name, kernel in kernels.items():
+        for kind, (k, v) in pools.items():
+            if name == "fused" or kind != "bf16":
+                label = kind if name == "fused" else f"{kind}_{name}"
+                fns[label] = lambda kernel=kernel, k=k, v=v: kernel.decode(queries, k, v, tables, lens, scale)
+    row = {"batch": batch, "context": context}
+    for kind, (k, v) in pools.items():
+        # against the portable kernel over the values the pools stand for (bf16)
+        values = [p.dequantize() if isinstance(p, QuantizedPool) else p for p in (k, v)]
+        ref = decode_attention(queries, *values, tables, lens, scale).astype(mx.float32)
+        out = fns[kind]().astype(mx.float32)
+        row[f"{kind}_err"] = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+        row[f"{kind}_bytes"] = sum(pool_bytes(p) for p in (k, v))
+        del values, ref, out
+    row.update(timed_together(fns))
+    del queries, k_pool, v_pool, tables, lens, pools, fns
+    mx.clear_cache()
+    return row
+
+
+def quantized_section(report, quick=False):
+    print("== quantized K/V: self-check errors (bf16, D=128, block 16, GQA 4) ==", flush=True)
+    checker = CudaKernel()
+    for bits in (8, 4):
+        for one in (False, True):
+            err = checker.check_error(DTYPE, DIM, BLOCK, Q_HEADS // KV_HEADS, one_partition=one, bits=bits)
+            print(f"  {bits}-bit group 64, one partition {one}: {err:.2e}", flush=True)
+    kernels = {"fused": CudaKernel(), "p1024": CudaKernel(partition_size=1024), "w8": CudaKernel(warps=8)}
+    grid = [(batch, context) for batch in (1, 8) for context in (8192, 32768, 131072)]
+    if quick:
+        grid = [(1, 131072), (8, 131072)]
+    rows = []
+    print("== decode attention over quantized pools (ms per call) ==", flush=True)
+    for batch, context in grid:
+        row = bench_quantized(batch, context, kernels)
+        rows.append(row)
+        print("  ", json.dumps(row), flush=True)
+    report["quantized"] = rows
+    return rows
+
+
+def print_quantized(rows):
+    print("\nfused decode, 32/8 heads, D=128, bf16 values, block 16, group 64: ms per call (GB/s of K/V read)")
+    print("  B  context        bf16              8-bit             4-bit     4-bit/bf16  err bf16/q8/q4    "
+          "q8 p1024  q4 p1024   q8 w8   q4 w8")
+    for r in rows:
+        cells = [f"{r[k]:7.3f} ({r[f'{k}_bytes'] / (r[k] * 1e-3) / 1e9:5.0f})" for k in ("bf16", "q8", "q4")]
+        alts = "".join(f"  {r[k]:7.3f}" for k in ("q8_p1024", "q4_p1024", "q8_w8", "q4_w8"))
+        errs = "/".join(f"{r[f'{k}_err']:.0e}" for k in ("bf16", "q8", "q4"))
+        print(f"{r['batch']:3d} {r['context']:8d}  {'  '.join(cells)}  {r['q4'] / r['bf16']:9.2f}  {errs}  {alts}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--alt-template", help="also time the fused kernel built from this template")
     parser.add_argument("--engine", action="store_true", help="then run engine_throughput.py at 16 and 64 requests")
+    parser.add_argument("--quantized", action="store_true", help="only the quantized K/V section")
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "mlx": mx.__version__}
     try:
@@ -167,6 +242,13 @@ def main():
     except Exception:
         report["gpu"] = "?"
     print(f"MLX {report['mlx']} on {report['gpu']}, {report['date']}", flush=True)
+    if args.quantized:
+        rows = quantized_section(report, args.quick)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "h200_kernels_quantized.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        print_quantized(rows)
+        return
 
     print("== correctness: fused vs portable (relative error) ==", flush=True)
     checker = CudaKernel()
@@ -225,6 +307,8 @@ def main():
         report["prefill"].append({"context": context, "chunk": chunk, **p})
         print(f"  ctx={context} chunk={chunk}: {json.dumps(p)}", flush=True)
 
+    quantized_rows = quantized_section(report, args.quick)
+
     if os.environ.get("OUT"):
         with open(os.path.join(os.environ["OUT"], "h200_kernels.json"), "w") as f:
             json.dump(report, f, indent=1)
@@ -239,6 +323,7 @@ def main():
             f" {cell('fused')}  {r['fused'] / r['sdpa']:9.2f}  {tbps:9.2f}  {100 * tbps / report['copy_tbps']:5.0f}%"
             f"  {r['fused_err']:.0e}  {cell('alt')}"
         )
+    print_quantized(quantized_rows)
 
     if args.engine:
         print()

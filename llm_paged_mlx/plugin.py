@@ -18,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Literal, Optional, Union
 
 import llm
 from llm.parts import TextPart
@@ -28,7 +28,6 @@ from .user_models import UserModels
 
 QWEN_REPO = "mlx-community/Qwen3-0.6B-4bit"
 DEFAULT_MAX_TOKENS = 1024
-DEFAULT_KV_BUDGET = 1024**3  # engine construction is quick up to here; 2 GiB took 3-6 s on CPU
 DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
 CACHE_ENV = "LLM_PAGED_MLX_CACHE"
 
@@ -119,8 +118,18 @@ class PagedOptions(llm.Options):
     seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
     stop: Optional[str] = Field(None, min_length=1, description="Stop generating when this string appears")
     block_size: Optional[int] = Field(None, ge=1, le=1024, description="Tokens per KV cache block (default 16)")
-    kv_budget: Optional[int] = Field(
-        None, gt=0, description="KV cache size in bytes, or with a unit such as 512MB or 2GB (default 1GB)"
+    kv_budget: Optional[Union[int, Literal["auto"]]] = Field(
+        None,
+        description="KV cache size: auto (the default: what the device's memory leaves), or bytes, or with a unit such as 512MB or 2GB",
+    )
+    memory_fraction: Optional[float] = Field(
+        None, gt=0, le=1, description="With kv_budget auto: the share of the device's memory to use in all (default 0.9)"
+    )
+    kv_bits: Optional[Literal[8, 4]] = Field(
+        None, description="Store the KV cache quantized in 8 or 4 bits: about 1.9x or 3.5x the context in the same memory"
+    )
+    kv_group_size: Optional[Literal[32, 64, 128]] = Field(
+        None, description="Values per scale and bias of a quantized KV cache (default 64)"
     )
     scheduler: Optional[str] = Field(None, description="Scheduling policy: fcfs (default), priority, or one a plugin adds")
     attention_kernel: Optional[str] = Field(None, description="Paged attention kernel: auto (default), portable, metal, cuda, or one a plugin adds")
@@ -129,10 +138,29 @@ class PagedOptions(llm.Options):
         None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
     )
 
-    @field_validator("kv_budget", "kv_disk_budget", mode="before")
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _parse_budget(cls, value):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return None if value is None else parse_size(value)
+
+    @field_validator("kv_disk_budget", mode="before")
     @classmethod
     def _parse_size(cls, value):
         return None if value is None else parse_size(value)
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("kv_budget must be positive")
+        return value
+
+    @field_validator("kv_bits", "kv_group_size", mode="before")
+    @classmethod
+    def _number(cls, value):
+        return int(value) if isinstance(value, str) and value.isdigit() else value
 
     @field_validator("scheduler")
     @classmethod
@@ -157,11 +185,14 @@ def engine_options(options: PagedOptions) -> dict:
     """The Engine keyword arguments the options ask for (defaults filled in)."""
     return {
         "block_size": options.block_size or 16,
-        "kv_budget_bytes": options.kv_budget or DEFAULT_KV_BUDGET,
+        "kv_budget_bytes": options.kv_budget or "auto",
+        "kv_bits": options.kv_bits,
+        "kv_group_size": options.kv_group_size or 64,
         "scheduler": options.scheduler or "fcfs",
         "attention_kernel": options.attention_kernel or "auto",
         "enable_prefix_caching": options.prefix_cache is not False,
         "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
+        **({"memory_fraction": options.memory_fraction} if options.memory_fraction is not None else {}),
     }
 
 
@@ -285,7 +316,8 @@ def get_engine(model_id: str, source: str, fetch: Callable[[], str], options: di
     model, tokenizer = reused or load_model(str(folder))
     engine_kwargs = dict(options)
     disk_budget = engine_kwargs.pop("kv_disk_budget")
-    disk = disk_cache(folder, disk_budget) if disk_budget and options["enable_prefix_caching"] else None
+    quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
+    disk = disk_cache(folder, disk_budget, quantization) if disk_budget and options["enable_prefix_caching"] else None
     engine = Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json", **engine_kwargs)
     _ENGINES[model_id] = _Loaded(source, options, engine)
     return engine
@@ -294,8 +326,9 @@ def get_engine(model_id: str, source: str, fetch: Callable[[], str], options: di
 _DISK_CACHES: dict = {}  # one KVDiskCache per directory, model identity and budget (one writer per directory)
 
 
-def disk_cache(folder: Path, budget: int):
-    """The disk tier for a model folder, keyed by the folder, its files' content and how it was loaded."""
+def disk_cache(folder: Path, budget: int, kv_quantization=None):
+    """The disk tier for a model folder, keyed by the folder, its files' content, how it was loaded and how
+    K/V are stored (``kv_quantization``: None, or bits and group size)."""
     import mlx.core as mx
 
     from .engine.disk.store import KVDiskCache
@@ -303,7 +336,10 @@ def disk_cache(folder: Path, budget: int):
 
     on_cpu = mx.default_device() == mx.cpu
     digests = plugin_dir() / "weight-digests.json"  # so a model's weights are hashed once, not at every start
-    identity = model_identity(folder, digests, dequantized=on_cpu, dtype="float32" if on_cpu else "as-stored")
+    settings = {"dequantized": on_cpu, "dtype": "float32" if on_cpu else "as-stored"}
+    if kv_quantization is not None:  # full-precision K/V keep the ids they had before quantization came
+        settings["kv_bits"], settings["kv_group_size"] = kv_quantization
+    identity = model_identity(folder, digests, **settings)
     key = (kv_disk_dir(), identity, budget)
     if key not in _DISK_CACHES:
         _DISK_CACHES[key] = KVDiskCache(*key, close_at_exit=False)  # _MLXThread.stop closes it, after the MLX work

@@ -251,7 +251,8 @@ def test_files_are_private(tmp_path):
 
 # -- the cache on its own: eviction, info, clear --------------------------------------
 
-LAYOUT = [((2 * BLOCK, 8), mx.float32)] * 4  # two layers of K and V, 2 heads of dim 8
+LAYOUT = [(f"{kv}.{layer}", (2 * BLOCK, 8), mx.float32) for layer in range(2) for kv in "kv"]  # 2 heads of dim 8
+NAMES = [name for name, _, _ in LAYOUT]
 
 
 def fake_blocks(seed):
@@ -268,7 +269,7 @@ def fake_blocks(seed):
 
 def store(cache, tokens, seed=0):
     read_blocks, given = fake_blocks(seed)
-    cache.save(tokens, list(range(len(tokens) // BLOCK)), BLOCK, read_blocks)
+    cache.save(tokens, list(range(len(tokens) // BLOCK)), BLOCK, read_blocks, NAMES)
     cache.flush()
     return given
 
@@ -292,7 +293,7 @@ def test_blocks_beyond_the_pending_cap_are_skipped_not_waited_for(tmp_path, monk
     block_bytes = 4 * 2 * BLOCK * 8 * 4  # LAYOUT in float32
     cache = KVDiskCache(tmp_path, "fake", max_pending_bytes=int(1.5 * block_bytes))
     read_blocks, _ = fake_blocks(0)
-    assert cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks) == 1
+    assert cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks, NAMES) == 1
     release.set()
     assert cache.info()["blocks"] == 1 and cache.skipped_writes == 2
 
@@ -590,7 +591,7 @@ def test_a_dead_writer_neither_hangs_flush_nor_close_and_later_saves_are_skipped
     monkeypatch.setattr(files, "_write_all", killed)
     cache, other = KVDiskCache(tmp_path, "fake"), KVDiskCache(tmp_path, "another model")
     read_blocks, _ = fake_blocks(0)
-    assert cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks) == 3
+    assert cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks, NAMES) == 3
     started.wait(10)
     die.set()
     with caught() as seen:
@@ -603,7 +604,7 @@ def test_a_dead_writer_neither_hangs_flush_nor_close_and_later_saves_are_skipped
     assert "3 blocks were not written" in str(seen[0].message)
     assert cache.info()["dropped_writes"] == 3 and cache._pending_bytes == 0
     monkeypatch.undo()
-    assert other.save(list(range(BLOCK)), [1], BLOCK, read_blocks) == 0 and other.skipped_writes == 1
+    assert other.save(list(range(BLOCK)), [1], BLOCK, read_blocks, NAMES) == 0 and other.skipped_writes == 1
     assert admin.block_files(tmp_path) == [] and [p.name for p in tmp_path.glob(files.TEMP_PREFIX + "*")] == []
 
 
@@ -624,8 +625,8 @@ def test_one_writer_thread_per_directory_for_every_cache_on_it(tmp_path):
 def test_save_writes_only_blocks_the_tokens_fill(tmp_path):
     cache = KVDiskCache(tmp_path, "fake")
     read_blocks, _ = fake_blocks(0)
-    assert cache.save(list(range(BLOCK - 1)), [1], BLOCK, read_blocks) == 0
-    assert cache.save(list(range(2 * BLOCK - 1)), [1, 2], BLOCK, read_blocks) == 1  # a table one block too long
+    assert cache.save(list(range(BLOCK - 1)), [1], BLOCK, read_blocks, NAMES) == 0
+    assert cache.save(list(range(2 * BLOCK - 1)), [1, 2], BLOCK, read_blocks, NAMES) == 1  # a table one block too long
     cache.flush()
     assert cache.info()["blocks"] == 1
     assert cache.load_chain(None, [list(range(BLOCK)), list(range(BLOCK, 2 * BLOCK - 1))], LAYOUT)[1:] == []
@@ -668,7 +669,7 @@ def test_eviction_waits_for_the_directory_lock(tmp_path):
     cache = KVDiskCache(tmp_path / "kv", "fake", budget_bytes=int(1.5 * file_size))
     read_blocks, _ = fake_blocks(0)
     with admin.locked(tmp_path / "kv"):  # what another process evicting or clearing holds
-        cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks)
+        cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks, NAMES)
         waiter = threading.Thread(target=cache.flush, daemon=True)
         waiter.start()
         waiter.join(0.5)
@@ -702,9 +703,9 @@ def test_eviction_gives_up_on_a_lock_held_too_long_and_tries_again_after_the_nex
     cache = KVDiskCache(tmp_path / "kv", "fake", budget_bytes=int(1.5 * file_size))
     read_blocks, _ = fake_blocks(0)
     with caught() as seen, admin.locked(tmp_path / "kv"):  # as a suspended process would hold it
-        cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks)
+        cache.save(list(range(3 * BLOCK)), [1, 2, 3], BLOCK, read_blocks, NAMES)
         assert _in_thread(cache.flush), "flush waits for the lock"
-        cache.save(list(range(100, 100 + BLOCK)), [4], BLOCK, read_blocks)
+        cache.save(list(range(100, 100 + BLOCK)), [4], BLOCK, read_blocks, NAMES)
         assert _in_thread(cache.flush), "flush waits for the lock"
         assert len(admin.block_files(tmp_path / "kv")) == 4 and cache.info()["lock_timeouts"] == 2
     assert len(seen) == 1 and admin.LOCK_FILE in str(seen[0].message) and "eviction" in str(seen[0].message)

@@ -169,7 +169,7 @@ def test_bad_input_is_rejected_and_nothing_is_lost():
     collect(engine.step(), outputs)
     with pytest.raises(ValueError, match="empty prompt"):
         engine.add_request([])
-    with pytest.raises(ValueError, match="whole KV pool"):
+    with pytest.raises(ValueError, match="KV cache: its budget of 0.3 MiB holds at most 303 prompt tokens; raise the budget"):
         engine.add_request(random_prompts([400])[0])
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.add_request([5, 999])

@@ -8,7 +8,11 @@ import mlx.core as mx
 import pytest
 
 from llm_paged_mlx.kernels.dialect import CUDA, DIALECTS, METAL, read_template, render, split_kernels
-from llm_paged_mlx.kernels.fused import MetalKernel
+from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel, kernel_sources
+from llm_paged_mlx.kernels.quantized import QuantizedPool
+
+VARIANTS = [(None, None)] + [(bits, group) for bits in (8, 4) for group in (32, 64, 128)]
+QUANTIZED_POOLS = ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"]
 
 # Words that belong to one language: the template must leave them to the dialects.
 DIALECT_WORDS = r"__shared__|__syncthreads|__shfl|threadIdx|blockIdx|threadgroup|simd_|device|constant|\buint\b"
@@ -44,47 +48,128 @@ def test_dialects_define_the_same_names():
         return defined
 
     assert names(METAL) == names(CUDA)
+    header = kernel_sources(read_template(), CUDA, 4, 64)["partition"].header
+    variant = set(re.findall(r"#define (PA_\w+)", header)) - names(CUDA)
+    assert variant == {"PA_BITS", "PA_GROUP"}
     used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template()).values())))
-    assert used <= names(CUDA)
+    assert used <= names(CUDA) | variant
     assert set(DIALECTS) == {"cuda", "metal"}
 
 
+@pytest.mark.parametrize("dialect", [CUDA, METAL], ids=["cuda", "metal"])
+def test_variants_render_one_algorithm_with_their_own_names_inputs_and_macros(dialect):
+    template = read_template()
+    algorithm = split_kernels(template)
+    sources = {v: kernel_sources(template, dialect, *v) for v in VARIANTS}
+    names = [s["partition"].name for s in sources.values()]
+    assert len(set(names)) == len(names)  # MLX caches kernels by name
+    assert len({s["reduce"].name for s in sources.values()}) == 1  # the reduce pass is the same for all
+    for (bits, group), kernels in sources.items():
+        partition = kernels["partition"]
+        assert partition.source == dialect.prelude + algorithm["partition"]
+        assert partition.header.startswith(f"#define PA_BITS {bits or 0}\n#define PA_GROUP {group or 0}\n")
+        assert partition.header.endswith(dialect.header)
+        pools = QUANTIZED_POOLS if bits else ["k_pool", "v_pool"]
+        assert partition.input_names == ["queries", *pools, "block_tables", "context_lens", "scale"]
+        assert partition.output_names == ["part_out", "part_m", "part_l"]
+        if bits:
+            assert f"_q{bits}g{group}_" in partition.name
+        for name in partition.input_names:  # every input is read by the body
+            assert re.search(rf"\b{name}\b", partition.source), name
+
+
+def quantized(bits, group_size, shape=(3, 8, 16, 128), dtype=mx.bfloat16):
+    data, scales, biases = mx.quantize(mx.zeros(shape, dtype), group_size, bits)
+    return QuantizedPool(data, scales, biases, bits, group_size)
+
+
+def test_fused_kernel_supports_the_quantized_pools_it_renders():
+    kernel = CudaKernel()
+    assert CudaKernel.quantized and MetalKernel.quantized
+    for bits in (8, 4):
+        for group in (32, 64, 128):
+            pool = quantized(bits, group)
+            assert pool.shape == (3, 8, 16, 128)
+            assert kernel.supports(mx.bfloat16, pool, quantized(bits, group), 32)
+            assert not kernel.supports(mx.float16, pool, pool, 32)  # dtype is the scales'
+    plain = mx.zeros((3, 8, 16, 128), mx.bfloat16)
+    assert kernel.supports(mx.bfloat16, plain, plain, 32)
+    assert not kernel.supports(mx.bfloat16, quantized(4, 64), plain, 32)  # K and V alike, or not at all
+    assert not kernel.supports(mx.bfloat16, quantized(4, 64), quantized(8, 64), 32)
+    assert not kernel.supports(mx.bfloat16, quantized(4, 64), quantized(4, 32), 32)
+    assert not kernel.supports(mx.bfloat16, quantized(2, 64), quantized(2, 64), 32)  # 2 bits: not written for
+    assert not kernel.supports(mx.bfloat16, quantized(4, 32, (3, 8, 16, 96)), quantized(4, 32, (3, 8, 16, 96)), 32)
+
+
+CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float"}
+
+
+def cuda_source(kernel, params: dict, constants: dict) -> str:
+    """A kernel's source wrapped as mx.fast.cuda_kernel wraps it: its header, then a function whose
+    parameters are the inputs (with ``NAME_shape`` where the body mentions it) and outputs, in order,
+    and whose body declares the template values before the kernel's source."""
+    args = []
+    for name in kernel.input_names + kernel.output_names:
+        const = "const " if name in kernel.input_names else ""
+        args.append(f"{const}{params[name]}* {name}")
+        if name in kernel.input_names and f"{name}_shape" in kernel.source:
+            args.append(f"const __grid_constant__ Shape {name}_shape")
+    values = "".join(
+        f"using {k} = {CUDA_TYPES[v]};\n"
+        if isinstance(v, mx.Dtype)
+        else f"constexpr {type(v).__name__} {k} = {str(v).lower()};\n"
+        for k, v in constants.items()
+    )
+    return f"__global__ void {kernel.name}({', '.join(args)}) {{\n{values}{kernel.source}}}\n"
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("one", [False, True])
-def test_cuda_rendering_compiles_with_nvcc(tmp_path, one):
-    """Wraps the CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90.
+def test_cuda_rendering_compiles_with_nvcc(tmp_path):
+    """Wraps each variant's CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90.
 
     With ONE (a single partition per row) the partition kernel writes T outputs."""
-    header, partition = render(read_template(), CUDA)["partition"]
-    _, reduce = render(read_template(), CUDA)["reduce"]
-    source = (
-        "#include <cuda_bf16.h>\n"
-        "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
-        + header
-        + "using T = __nv_bfloat16;\n"
-        "constexpr int D = 128, BS = 16, REP = 4, HPG = 4, PART = 512, NW = 4;\n"
-        f"constexpr bool ONE = {str(one).lower()};\n"
-        "__global__ void partition(const T* queries, const T* k_pool, const __grid_constant__ Shape k_pool_shape,\n"
-        "    const T* v_pool, const int* block_tables, const __grid_constant__ Shape block_tables_shape,\n"
-        f"    const int* context_lens, const float* scale, {'T' if one else 'float'}* part_out, float* part_m,\n"
-        "    float* part_l) {\n"
-        + partition
-        + "}\n"
-        "__global__ void reduce(const float* part_out, const float* part_m, const __grid_constant__ Shape part_m_shape,\n"
-        "    const float* part_l, const int* context_lens, T* out) {\n" + reduce + "}\n"
-    )
-    (tmp_path / "k.cu").write_text(source)
-    result = subprocess.run(
-        ["nvcc", "-arch=sm_90", "-c", "k.cu", "-o", "k.o"], cwd=tmp_path, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
+    cases = [
+        # bits, group, dtype, D, BS, REP, HPG, ONE
+        (None, None, mx.bfloat16, 128, 16, 4, 4, False),
+        (None, None, mx.float32, 64, 32, 1, 1, True),
+        (4, 64, mx.bfloat16, 128, 16, 4, 4, False),
+        (8, 32, mx.float16, 256, 32, 8, 8, True),
+    ]
+    jobs = []
+    for i, (bits, group, dtype, dim, block, rep, hpg, one) in enumerate(cases):
+        kernels = kernel_sources(read_template(), CUDA, bits, group)
+        ctype = CUDA_TYPES[dtype]
+        params = dict.fromkeys(["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases"], ctype)
+        if bits:
+            params["k_pool"] = params["v_pool"] = "uint32_t"
+        params.update(block_tables="int32_t", context_lens="int32_t", scale="float", part_m="float", part_l="float")
+        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=4, ONE=one)
+        source = (
+            "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
+            + kernels["partition"].header
+            + cuda_source(kernels["partition"], {**params, "part_out": ctype if one else "float"}, constants)
+            + cuda_source(
+                kernels["reduce"], {**params, "part_out": "float", "out": ctype}, dict(T=dtype, D=dim, PART=512)
+            )
+        )
+        (tmp_path / f"k{i}.cu").write_text(source)
+        # 177: a variable declared and never used (the prelude's pa_group_x in the reduce kernel)
+        command = ["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-c", f"k{i}.cu", "-o", f"k{i}.o"]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        jobs.append(subprocess.Popen(command, cwd=tmp_path, **pipes))
+    for case, job in zip(cases, jobs):
+        output, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, (case, output)
+        assert "warning" not in output, (case, output)
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal")
+@pytest.mark.parametrize("bits", [None, 8, 4])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("dim,block_size,rep", [(64, 16, 1), (128, 16, 4), (128, 32, 8), (256, 16, 2)])
-def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep):
+def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep, bits):
     kernel = MetalKernel()
     with mx.stream(mx.gpu):
-        error = kernel.check_error(dtype, dim, block_size, rep)
-    assert error <= {mx.float32: 1e-5, mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]
+        error = kernel.check_error(dtype, dim, block_size, rep, bits=bits, group_size=64)
+    assert error <= {mx.float32: 1e-4 if bits else 1e-5, mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]

@@ -1,4 +1,7 @@
-"""The fused CUDA kernel against the float64 reference; runs only where MLX has CUDA."""
+"""The fused CUDA kernel against the float64 reference; runs only where MLX has CUDA.
+
+Quantized pools are compared with the reference over their dequantized values.
+"""
 
 import warnings
 
@@ -10,10 +13,14 @@ from test_kernels import make_case, make_plan, reference, rel_error
 from llm_paged_mlx.kernels import select_kernel
 from llm_paged_mlx.kernels.dialect import read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.quantized import QuantizedPool
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
 
 LIMIT = {mx.bfloat16: 1e-2, mx.float16: 1e-2, mx.float32: 1e-5}
+# The kernel applies scale and bias in float32 (and folds them into the logits), the reference reads
+# values dequantized in the pool's dtype.
+QUANTIZED_LIMIT = {mx.bfloat16: 1e-2, mx.float16: 1e-2, mx.float32: 1e-4}
 
 CASES = [
     # dtype, q_heads, kv_heads, dim, block_size, context lengths
@@ -31,6 +38,31 @@ CASES = [
     (mx.bfloat16, 8, 8, 64, 32, [31, 480]),
     (mx.float32, 32, 8, 128, 16, [3, 511]),
 ]
+
+
+QUANTIZED_CASES = [
+    # dtype, q_heads, kv_heads, dim, block_size, bits, group_size, context lengths
+    (mx.bfloat16, 32, 8, 128, 16, 4, 64, [1, 15, 17, 512, 513, 1300]),
+    (mx.bfloat16, 32, 8, 128, 16, 8, 64, [1, 15, 17, 512, 513, 1300]),
+    (mx.bfloat16, 8, 8, 64, 32, 4, 64, [1, 31, 33, 1100]),  # GQA 1
+    (mx.bfloat16, 8, 8, 64, 32, 8, 64, [1, 31, 33, 1100]),
+    (mx.float16, 64, 8, 128, 32, 4, 64, [2, 700, 47]),  # GQA 8
+    (mx.bfloat16, 16, 2, 64, 16, 8, 64, [1025, 5, 1]),  # GQA 8
+    (mx.bfloat16, 8, 2, 128, 32, 4, 32, [600, 9, 2100]),
+    (mx.float32, 16, 4, 128, 16, 8, 128, [95, 2049, 1]),
+    (mx.bfloat16, 16, 4, 128, 16, 4, 64, [3, 511]),  # one partition: no reduce pass
+    (mx.bfloat16, 8, 1, 64, 32, 8, 32, [480, 31]),
+]
+
+
+def quantize(pool_np, dtype, bits, group_size):
+    """A numpy pool (NaN at hidden positions) as a QuantizedPool whose hidden rows have NaN scales,
+    and the values it stands for (float32, for the reference)."""
+    hidden = np.isnan(pool_np).any(axis=-1, keepdims=True)
+    values = mx.array(np.where(np.isnan(pool_np), 0.0, pool_np)).astype(dtype)
+    pool = QuantizedPool(*mx.quantize(values, group_size, bits), bits, group_size)
+    poisoned = QuantizedPool(pool.data, mx.where(mx.array(hidden), mx.nan, pool.scales), pool.biases, bits, group_size)
+    return poisoned, np.array(pool.dequantize(mx.float32))
 
 
 def cast(x, dtype):
@@ -51,6 +83,44 @@ def test_fused_decode_matches_reference(seed, dtype, q_heads, kv_heads, dim, blo
     out = CudaKernel(poison_outputs=True).decode(q, k_pool, v_pool, mx.array(tables), mx.array(lens, mx.int32), scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= LIMIT[dtype]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype,q_heads,kv_heads,dim,block_size,bits,group_size,lens", QUANTIZED_CASES)
+def test_fused_decode_of_quantized_pools_matches_reference(
+    seed, dtype, q_heads, kv_heads, dim, block_size, bits, group_size, lens
+):
+    rng = np.random.default_rng(seed)
+    k_np, v_np, tables = make_case(rng, lens, q_heads, kv_heads, dim, block_size, strict=True)
+    q, q_np = cast(rng.standard_normal((len(lens), q_heads, 1, dim)).astype(np.float32), dtype)
+    k_pool, k_np = quantize(k_np, dtype, bits, group_size)
+    v_pool, v_np = quantize(v_np, dtype, bits, group_size)
+    scale = dim**-0.5
+    kernel = CudaKernel(poison_outputs=True)
+    assert kernel.supports(dtype, k_pool, v_pool, q_heads)
+    out = kernel.decode(q, k_pool, v_pool, mx.array(tables), mx.array(lens, mx.int32), scale)
+    assert out.dtype == dtype and out.shape == q.shape
+    assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= QUANTIZED_LIMIT[dtype]
+
+
+@pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_cuda_kernel_serves_quantized_pools(bits, row_prefill_max_reads):
+    """Decode rows and prefill chunks over quantized pools: as rows of the fused kernel, or (long chunks)
+    through the portable prefill."""
+    rng = np.random.default_rng(8)
+    plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
+        rng, 16, 4, 128, 16, decode_lens=[1, 17, 600], prefills=[(500, 30), (0, 9), (0, 1)], strict=False
+    )
+    q, q_np = cast(queries, mx.bfloat16)
+    k_pool, k_np = quantize(np.nan_to_num(k_np), mx.bfloat16, bits, 64)
+    v_pool, v_np = quantize(np.nan_to_num(v_np), mx.bfloat16, bits, 64)
+    kernel = CudaKernel()
+    kernel.row_prefill_max_reads = row_prefill_max_reads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check passes
+        out = kernel(q, k_pool, v_pool, plan, 0.1)
+    assert rel_error(out, reference(q_np, k_np, v_np, row_tables, row_lens, 0.1)) <= LIMIT[mx.bfloat16]
 
 
 @pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
@@ -81,6 +151,40 @@ def test_self_check_passes_for_the_shipped_source():
     kernel = CudaKernel()
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         assert kernel.usable(dtype, mx.zeros((2, 8, 16, 128), dtype), mx.zeros((2, 8, 16, 128), dtype), 32)
+
+
+@pytest.mark.parametrize("bits,group_size", [(8, 64), (4, 64), (4, 32), (8, 128)])
+def test_self_check_passes_for_quantized_pools(bits, group_size):
+    kernel = CudaKernel()
+    for dtype in (mx.bfloat16, mx.float16, mx.float32):
+        pool = QuantizedPool(*mx.quantize(mx.zeros((2, 8, 16, 128), dtype), group_size, bits), bits, group_size)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert kernel.usable(dtype, pool, pool, 32)
+        assert (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size) in kernel._checked
+
+
+def test_broken_quantized_source_falls_back_for_quantized_pools_only():
+    """A wrong dequantization fails the quantized self-check; full precision still uses the kernel."""
+    broken = "dot[h] = k_scale * dot[h] + k_bias * q_sum[h];"
+    template = read_template()
+    assert broken in template
+    kernel = CudaKernel(template=template.replace(broken, "dot[h] = k_scale * dot[h];"))
+    rng = np.random.default_rng(12)
+    plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
+        rng, 8, 2, 64, 16, decode_lens=[1, 40, 700], prefills=[], strict=False
+    )
+    k_pool, k_deq = quantize(np.nan_to_num(k_np), mx.float32, 4, 32)
+    v_pool, v_deq = quantize(np.nan_to_num(v_np), mx.float32, 4, 32)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        out = kernel(mx.array(queries), k_pool, v_pool, plan, 0.125)
+    assert rel_error(out, reference(queries, k_deq, v_deq, row_tables, row_lens, 0.125)) < 1e-4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        k, v = mx.array(np.nan_to_num(k_np)), mx.array(np.nan_to_num(v_np))
+        out = kernel(mx.array(queries), k, v, plan, 0.125)
+    ref = reference(queries, np.nan_to_num(k_np), np.nan_to_num(v_np), row_tables, row_lens, 0.125)
+    assert rel_error(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize(

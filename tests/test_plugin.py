@@ -98,9 +98,10 @@ def test_models_list_shows_paged_models_and_options(user_dir):
     output = ok("models", "list", "--options")
     assert "PagedModel: paged-smollm2" in output and "PagedModel: paged-qwen" in output
     for option in ["max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-                   "block_size", "kv_budget", "scheduler", "attention_kernel", "prefix_cache", "kv_disk_budget"]:
+                   "block_size", "kv_budget", "memory_fraction", "kv_bits", "kv_group_size", "scheduler",
+                   "attention_kernel", "prefix_cache", "kv_disk_budget"]:
         assert f"    {option}: " in output
-    assert "KV cache size in bytes" in output
+    assert "KV cache size: auto" in output and "quantized in 8 or 4 bits" in output
 
 
 @pytest.mark.parametrize("question, max_tokens", [(FRANCE, 32), ("Tell me about Paris.", 24)])
@@ -169,6 +170,10 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     ("max_tokens", "zero", ["max_tokens"]),
     ("block_size", "0", ["block_size"]),
     ("kv_budget", "lots", ["'lots' is not a size"]),
+    ("kv_budget", "0", ["kv_budget must be positive"]),
+    ("memory_fraction", "1.5", ["memory_fraction", "less than or equal to 1"]),
+    ("kv_bits", "3", ["kv_bits", "8 or 4"]),
+    ("kv_group_size", "48", ["kv_group_size", "32, 64 or 128"]),
     ("kv_disk_budget", "-1GB", ["'-1GB' is not a size"]),
     ("scheduler", "nosuch", ["unknown scheduler 'nosuch'", "fcfs"]),
     ("attention_kernel", "nosuch", ["unknown attention kernel 'nosuch'", "portable"]),
@@ -187,6 +192,15 @@ def test_sizes():
     assert plugin.parse_size("1.5K") == 1536
     with pytest.raises(ValueError):
         plugin.parse_size("2 parsecs")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_kv_cache(user_dir, bits):
+    """``-o kv_bits``: the K/V are stored quantized, and the model still answers."""
+    output = ok("-m", "paged-smollm2", "-o", "kv_bits", str(bits), "-o", "max_tokens", 24, FRANCE)
+    if bits == 8:
+        assert "Paris" in output
+    assert output.strip() and last_log()["output_tokens"] > 0
 
 
 def test_engine_limits_are_clean_errors(user_dir):

@@ -166,14 +166,15 @@ def test_a_failing_step_leaves_the_engine_usable(monkeypatch, run_ahead):
 
 
 @pytest.mark.parametrize("compile_steps", [True, False])
-def test_a_rollback_drops_every_write_since_begin(compile_steps):
-    """Writes into the pools (a swap-in, a disk load, a step's K/V) are undone by a rollback, though a
+def test_a_rollback_writes_back_the_protected_blocks(compile_steps):
+    """Writes into protected blocks (a swap-in, a disk load, a step's K/V) are undone by a rollback, though a
     write makes the very array object it writes to stand for the new value."""
     engine = Engine(tiny_model("llama"), num_blocks=16, compile_steps=compile_steps)
     engine.generate(random_prompts([40], seed=9), SamplingParams(max_tokens=4))
     runner = engine.runner
     before = [np.array(pool) for pool in runner.pools()]
     runner.begin()
+    runner.protect([1, 2])
     runner.write_blocks([1, 2], [mx.ones_like(a) for a in runner.read_blocks([1, 2])])
     prompt = random_prompts([20], seed=10)[0]
     request = Request(-1, prompt, SamplingParams(), max_total_tokens=64)

@@ -183,3 +183,25 @@ def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch):
     assert 10 < interrupted <= len(sent)  # two SIGINTs within one held stretch raise once
     assert [outputs[rid] for rid in ids] == expected
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+def test_a_failed_step_that_overwrote_cached_blocks_takes_them_out_of_the_cache(monkeypatch):
+    """A step hands out free blocks still in the prefix cache and writes over them, then fails: the undone
+    step must not leave them cached (their K/V are another prompt's now), and the pool is not copied."""
+    model = tiny_model("qwen3")
+    first, second = random_prompts([64, 200], seed=21)
+    params = SamplingParams(max_tokens=6)
+    engine = Engine(model, num_blocks=16, max_num_batched_tokens=256)  # 15 blocks: the second evicts the first
+    assert engine.generate([first], params)[0].token_ids == reference(model, first, 6)
+    assert engine.stats()["cached_blocks"] >= 4
+    protected = []
+    real_protect = ModelRunner.protect
+    monkeypatch.setattr(ModelRunner, "protect", lambda runner, blocks: protected.extend(blocks) or real_protect(runner, blocks))
+    Injector(monkeypatch, engine_module, "sample", [1])
+    with pytest.raises(Fault):
+        engine.generate([second], params)
+    assert protected == []  # no block a sequence held was written over: nothing was copied
+    out = engine.generate([first], params)[0]
+    assert out.token_ids == reference(model, first, 6)
+    assert engine.generate([second], params)[0].token_ids == reference(model, second, 6)
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

@@ -259,6 +259,40 @@ class BlockManager:
             block.hash, block.token_ids, block.parent_hash = None, (), None
         self.cached = {}
 
+    def held_before(self, block_ids: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Of ``block_ids`` (blocks a transaction writes), those that changed hands in it after holding K/V that
+        would be read again were it rolled back: (blocks a sequence held, a preempted one's say; free blocks
+        in the prefix cache). A rollback must put back the first's K/V; the second it may ``uncache``."""
+        held, cached = [], []
+        for block_id in dict.fromkeys(block_ids):
+            state = self._journal.blocks.get(block_id)  # (ref_count, hash, ...) at begin, if it changed since
+            if state is not None and state[0] > 0:
+                held.append(block_id)
+            elif state is not None and state[1] is not None:
+                cached.append(block_id)
+        return held, cached
+
+    def uncache(self, block_ids: Sequence[int]) -> None:
+        """Take free blocks out of the prefix cache (their K/V were overwritten)."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.hash is not None and self.cached.get(block.hash) == block_id:
+                del self.cached[block.hash]
+            block.hash, block.token_ids, block.parent_hash = None, (), None
+
+    def grow(self, num_blocks: int) -> None:
+        """Add blocks up to ``num_blocks`` (not within a transaction); they are handed out before freed ones,
+        which may hold cached prefixes."""
+        if self._journal is not None:
+            raise RuntimeError("the pool cannot grow within a transaction")
+        added = range(self.num_blocks, num_blocks)
+        for block_id in added:
+            block = Block(block_id)
+            block.freed_at = block_id - num_blocks  # before every block freed so far
+            self.blocks.append(block)
+        self.free_queue = OrderedDict([*((block_id, None) for block_id in added), *self.free_queue.items()])
+        self.num_blocks = max(self.num_blocks, num_blocks)
+
     def take_copies(self) -> list[tuple[int, int]]:
         """The copy-on-write copies made since the last call: (source block, destination block)."""
         copies, self.pending_copies = self.pending_copies, []

@@ -14,15 +14,19 @@ from ..models.paged_cache import check_model, model_config
 from .block_manager import BlockManager
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .interrupts import HeldInterrupts
+from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_reserve
 from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk
 from .request import Request, SamplingParams, Status
-from .runner import ModelRunner
+from .runner import ModelRunner, projects_sampled_rows_only
 from .sampler import sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_KV_BUDGET = 2 * 1024**3
+# The pools start this large (or as large as one step needs) and grow as requests need blocks, up to the
+# budget: a large budget costs nothing until it is used, and allocating it whole takes seconds on some machines.
+INITIAL_POOL_BYTES = 128 * 1024**2
 
 
 @dataclass
@@ -51,7 +55,12 @@ class Engine:
     """A paged-KV engine over an unmodified mlx-lm model.
 
     The KV pool has ``num_blocks`` blocks of ``block_size`` tokens, or as many
-    as fit in ``kv_budget_bytes`` (2 GiB when neither is given).
+    as fit in ``kv_budget_bytes`` (2 GiB when neither is given; ``"auto"``: the
+    ``memory_fraction`` of the device's memory that the weights and a step's
+    activations leave, see ``engine.memory``). The pools grow to that size as
+    requests need blocks. ``kv_bits`` (8 or 4) stores K/V quantized in groups
+    of ``kv_group_size`` values (``kernels.quantized``): for a bf16 model,
+    1.88x or 3.56x the tokens in the same memory at the default group size.
     ``tokenizer=None`` means prompts are token ids and outputs carry no text.
     ``kv_disk_cache`` adds a disk tier to the prefix cache: finished requests'
     full blocks are saved there and later prompts (in this or another process)
@@ -71,13 +80,16 @@ class Engine:
         *,
         block_size: int = 16,
         num_blocks: Optional[int] = None,
-        kv_budget_bytes: Optional[int] = None,
+        kv_budget_bytes: Union[int, str, None] = None,
+        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        kv_bits: Optional[int] = None,
+        kv_group_size: int = 64,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         scheduler: str = "fcfs",
         attention_kernel: str = "auto",
         enable_prefix_caching: bool = True,
-        swap_policy: str = "recompute",
+        swap_policy: str = "auto",
         kv_disk_cache: Optional[KVDiskCache] = None,
         compile_steps: bool = True,
         verify_model: bool = True,
@@ -88,25 +100,36 @@ class Engine:
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
         self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(attention_kernel)
-        layouts = check_model(model)
-        block_bytes = block_size * sum(layout.bytes_per_token for layout in layouts)
-        if num_blocks is None:
-            num_blocks = (kv_budget_bytes or DEFAULT_KV_BUDGET) // block_bytes
-        if num_blocks < 2:
-            raise ValueError(f"a KV budget of {kv_budget_bytes} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+        if kv_bits is not None and not getattr(self.kernel, "quantized", False):
+            raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
+        layouts = check_model(model)
+        block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
         self.model = model
         self.tokenizer = tokenizer
-        self.blocks = BlockManager(num_blocks, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(model, layouts, num_blocks, block_size, self.kernel, compile_steps)
+        if num_blocks is None:
+            budget = self._budget(kv_budget_bytes, memory_fraction, max_num_seqs, max_num_batched_tokens)
+            num_blocks = budget // block_bytes
+            if num_blocks < 2:
+                raise ValueError(f"a KV budget of {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+        elif num_blocks < 2:
+            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
+        self._block_bytes = block_bytes
+        self.max_blocks = num_blocks
+        self.kv_budget_bytes = num_blocks * block_bytes
+        # Enough blocks for one step's tokens, each sequence's next block and the null block.
+        self._step_blocks = -(-max_num_batched_tokens // block_size) + max_num_seqs + 1
+        initial = min(self.max_blocks, max(INITIAL_POOL_BYTES // block_bytes, 2 * self._step_blocks))
+        self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
+        self.runner = ModelRunner(model, layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size)
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
+        self._block_layout = self.runner.block_layout()
         load_prefix = None
-        if kv_disk_cache is not None:  # the shape and dtype of each array of one block, K and V per layer
-            layout = [((l.num_kv_heads * block_size, dim), l.dtype) for l in layouts for dim in (l.k_dim, l.v_dim)]
-            load_prefix = functools.partial(kv_disk_cache.load_chain, layout=layout)
+        if kv_disk_cache is not None:
+            load_prefix = functools.partial(kv_disk_cache.load_chain, layout=self._block_layout)
         self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_prefix)
         self.max_context = getattr(model_config(model), "max_position_embeddings", None)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -114,6 +137,7 @@ class Engine:
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
         self._in_flight: Optional[_Built] = None  # a step launched on the device, its tokens not yet read
+        self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
         self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
         self._ids = itertools.count()
         self._interrupts = HeldInterrupts()
@@ -124,7 +148,19 @@ class Engine:
         from ..models.loading import load_model
 
         model, tokenizer = load_model(path_or_repo)
-        return cls(model, tokenizer, **options)
+        return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
+
+    def _budget(self, budget, fraction: float, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+        """The pool's bytes: as given, the default, or for ``"auto"`` what the device leaves."""
+        if budget is None:
+            return DEFAULT_KV_BUDGET
+        if budget != "auto":
+            if not isinstance(budget, int) or budget <= 0:
+                raise ValueError(f"kv_budget_bytes must be a positive number of bytes or 'auto', not {budget!r}")
+            return budget
+        mx.eval(self.model.parameters())  # the weights count as memory in use
+        logit_rows = max_num_seqs if projects_sampled_rows_only(self.model) else max_num_batched_tokens
+        return auto_kv_budget(step_reserve(self.model, max_num_batched_tokens, logit_rows), fraction)
 
     # -- requests ---------------------------------------------------------------
 
@@ -135,11 +171,17 @@ class Engine:
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         token_ids = self._encode(prompt)
-        capacity = self.blocks.num_usable_blocks * self.blocks.block_size
+        capacity = (self.max_blocks - 1) * self.blocks.block_size
         limit = min(capacity, self.max_context or capacity)
+        if len(token_ids) >= limit and limit != capacity:
+            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the model's context ({limit} tokens)")
         if len(token_ids) >= limit:
-            where = "the model's context" if limit != capacity else "the whole KV pool"
-            raise ValueError(f"prompt of {len(token_ids)} tokens does not fit {where} ({limit} tokens)")
+            raise ValueError(
+                f"prompt of {len(token_ids)} tokens does not fit the KV cache: its budget of "
+                f"{format_size(self.max_blocks * self._block_bytes)} holds at most "
+                f"{limit - 1} prompt tokens; raise the budget (kv_budget_bytes; llm: -o kv_budget) or store K/V "
+                "in fewer bits (kv_bits)"
+            )
         stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
         request = Request(next(self._ids), token_ids, params, max_total_tokens=limit, stop_token_ids=frozenset(stops))
         self.requests[request.request_id] = request
@@ -211,12 +253,32 @@ class Engine:
                 tokens = self._wait(launched)
                 self._in_flight = None
                 self._apply(launched, tokens)
+            self._grow_pool()
             built = self._transaction(self._plan)
             if built is not None:
                 self._launch(built)
         except _DeviceFailure as failure:
             self._start_over()
             raise failure.__cause__
+
+    def _grow_pool(self) -> None:
+        """Grow the pools (at least doubling, up to the budget) if the next step might lack free blocks.
+
+        What a step might need: a step's worth of new tokens, each running
+        sequence's next block, and the whole prompts of waiting requests (their
+        prefixes may come from the disk tier at once). Nothing is in flight
+        here, so the pools' old arrays go as they are copied.
+        """
+        blocks = self.blocks
+        if blocks.num_blocks >= self.max_blocks:
+            return
+        waiting = sum(self._blocks_for(r.num_tokens) for r in self.scheduler.waiting)
+        wanted = self._step_blocks + waiting - blocks.num_free_blocks
+        if wanted <= 0:
+            return
+        size = min(self.max_blocks, max(2 * blocks.num_blocks, blocks.num_blocks + wanted))
+        self.runner.grow(size)
+        blocks.grow(size)
 
     def _start_over(self) -> None:
         """After the device failed in a launched step, compute every request again from its tokens.
@@ -239,6 +301,7 @@ class Engine:
         one the ones it consumed.
         """
         handles = _SwapHandles()
+        self._overwritten_cached = []
         self.scheduler.begin()
         self.runner.begin()
         try:
@@ -246,6 +309,7 @@ class Engine:
         except BaseException:
             self.runner.rollback()
             self.scheduler.rollback()
+            self.blocks.uncache(self._overwritten_cached)
             for handle in handles.created:
                 self._discard(handle)
             raise
@@ -260,8 +324,24 @@ class Engine:
 
     def _plan(self, handles: _SwapHandles) -> Optional[_Built]:
         plan = self.scheduler.schedule()
+        self._protect(plan)
         self._prepare(plan, handles)
         return self._build(plan.chunks) if plan.chunks else None
+
+    def _protect(self, plan: StepPlan) -> None:
+        """Before a step writes: have the runner keep the K/V it overwrites in blocks a sequence held at its
+        start, and note the cached free blocks it overwrites (an undone step takes them out of the cache)."""
+        size = self.blocks.block_size
+        written = [slot // size for chunk in plan.chunks for slot in chunk.slots[::size]] + [
+            chunk.slots[-1] // size for chunk in plan.chunks
+        ]
+        written += [destination for _, destination in self.blocks.pending_copies]
+        written += [block_id for block_id, _ in plan.disk_loads]
+        for request in plan.swapped_in:
+            written += request.blocks.table[: self._blocks_for(request.num_computed)]
+        held, cached = self.blocks.held_before(written)
+        self.runner.protect(held)
+        self._overwritten_cached += cached
 
     def _prepare(self, plan: StepPlan, handles: _SwapHandles) -> None:
         """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
@@ -361,6 +441,7 @@ class Engine:
             try:
                 plan = self.scheduler.schedule()
                 assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
+                self._protect(plan)
                 self._copy_blocks()
                 index = {id(r): i for i, r in enumerate(launched.sampled)}
                 rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
@@ -409,7 +490,8 @@ class Engine:
             tokens, size = request.token_ids, self.blocks.block_size
             full = min(len(tokens), request.num_computed) // size
             try:
-                self.disk.save(tokens, request.blocks.table[:full], size, self.runner.read_blocks)
+                names = [name for name, _, _ in self._block_layout]
+                self.disk.save(tokens, request.blocks.table[:full], size, self.runner.read_blocks, names)
             except Exception as e:  # the disk tier is a cache: losing a save loses no data
                 warnings.warn(f"KV disk cache: could not save a finished request's blocks ({e})", KVDiskCacheWarning)
         if request.swap_handle is not None:
@@ -481,6 +563,8 @@ class Engine:
         used = self.blocks.num_usable_blocks - self.blocks.num_free_blocks
         return {
             "num_blocks": self.blocks.num_usable_blocks,
+            "max_blocks": self.max_blocks - 1,
+            "kv_bits": self.runner.kv_bits,
             "block_size": self.blocks.block_size,
             "free_blocks": self.blocks.num_free_blocks,
             "used_blocks": used,

@@ -27,7 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .. import files
 from ..kernels.dialect import read_template
-from ..models.paged_cache import architecture, model_config
+from ..models.paged_cache import architecture, float32_attention, model_config
 from .request import Request, SamplingParams
 from .scheduler import ScheduledChunk
 
@@ -124,10 +124,15 @@ def _verdict(model, runner) -> Optional[str]:
     long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()
     short = rng.integers(0, vocab, short_len + DECODE_STEPS + 1).tolist()
     need = 1 + -(-len(long) // size) + -(-len(short) // size)  # with the null block
-    if runner.caches[0].shape[0] < need:
+    if runner.num_blocks < need or runner.kv_bits is not None:
+        # Quantized K/V are checked at full precision: quantizing them is the pool's and the kernels' business
+        # (their tests and the kernels' own first-use checks), not the model's, and mlx-lm's quantized cache
+        # does not run on every backend.
         runner = runner.with_pools(need)
     try:
         expected = _reference(model, long, long_len) + _reference(model, short, short_len)
+        with float32_attention():
+            rounded = _reference(model, long, long_len) + _reference(model, short, short_len)
     except Exception as e:
         raise _NoVerdict(f"{arch}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
     try:
@@ -137,14 +142,20 @@ def _verdict(model, runner) -> Optional[str]:
     labels = [_label(long_len, i) for i in range(DECODE_STEPS + 1)]
     labels += [_label(short_len, i) for i in range(DECODE_STEPS + 2)]
     # The tolerance of the less precise of the logits and the K/V pools.
-    dtype = min(expected[0].dtype, runner.caches[0].keys.dtype, key=lambda d: d.size)
+    dtype = min(expected[0].dtype, runner.caches[0].dtype, key=lambda d: d.size)
     tolerance = TOLERANCE.get(dtype, TOLERANCE[mx.float32])
-    for label, want, have in zip(labels, expected, got):
+    for label, want, other, have in zip(labels, expected, rounded, got):
         if mx.any(mx.isnan(want)).item():  # the weights', not the code path's, doing
             raise _NoVerdict(f"{arch}: mlx-lm's own logits hold NaN at {label}")
+        # Some models (random low-precision ones, say) are so sensitive that rounding attention differently
+        # moves their logits by more than the tolerance: then twice that movement is allowed.
+        noise = _relative_error(want, other)
         error = _relative_error(want, have)
-        if not error <= tolerance:  # NaN fails too
-            return f"{arch}: paged attention gives different logits than mlx-lm (relative error {error:.3g} at {label})"
+        if not error <= max(tolerance, 2 * noise):  # NaN fails too
+            return (
+                f"{arch}: paged attention gives different logits than mlx-lm (relative error {error:.3g} at "
+                f"{label}; attention in float32 moves mlx-lm's by {noise:.3g})"
+            )
     return None
 
 
@@ -179,7 +190,7 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
     size = runner.block_size
     a = Request(-1, long[:long_len], SamplingParams(), max_total_tokens=len(long))
     b = Request(-2, short[:short_len], SamplingParams(), max_total_tokens=len(short))
-    ids = iter(range(1, runner.caches[0].shape[0]))  # block 0 is the null block
+    ids = iter(range(1, runner.num_blocks))  # block 0 is the null block
     blocks = {id(r): [next(ids) for _ in range(-(-r.max_total_tokens // size))] for r in (a, b)}
 
     def chunk(request, count):

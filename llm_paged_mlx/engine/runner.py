@@ -28,6 +28,11 @@ _BODY_THEN_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
 MAX_TRACED_SHAPES = 32
 
 
+def projects_sampled_rows_only(model) -> bool:
+    """Whether steps put only the rows they sample through the vocabulary projection."""
+    return getattr(model, "model_type", None) in _BODY_THEN_HEAD
+
+
 def padded_size(n: int) -> int:
     """``n`` rounded up to one of four sizes per power of two (exact up to 7): at most 25% more."""
     step = 1 << max(0, n.bit_length() - 3)
@@ -36,62 +41,105 @@ def padded_size(n: int) -> int:
 
 class ModelRunner:
     def __init__(
-        self, model, layouts: list[LayerLayout], num_blocks: int, block_size: int, kernel, compile_steps: bool = True
+        self,
+        model,
+        layouts: list[LayerLayout],
+        num_blocks: int,
+        block_size: int,
+        kernel,
+        compile_steps: bool = True,
+        kv_bits=None,
+        kv_group_size: int = 64,
     ):
+        """``kv_bits`` (8 or 4) stores K/V quantized in groups of ``kv_group_size`` (``kernels.quantized``)."""
         self.model = model
         self.layouts = layouts
         self.block_size = block_size
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.caches = [
-            PagedLayerCache(num_blocks, block_size, l.num_kv_heads, l.k_dim, l.v_dim, l.dtype, kernel)
+            PagedLayerCache(num_blocks, block_size, l.num_kv_heads, l.k_dim, l.v_dim, l.dtype, kernel, kv_bits, kv_group_size)
             for l in layouts
         ]
         mx.eval(self.pools())
-        self.split = getattr(model, "model_type", None) in _BODY_THEN_HEAD
+        self.split = projects_sampled_rows_only(model)
         self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
         self._compiled_rows = None
         self._traced_shapes: set[tuple[int, int]] = set()
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
-        self._saved_pools: Optional[list[mx.array]] = None
+        self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
 
-    def with_pools(self, num_blocks: int) -> "ModelRunner":
-        """A runner like this one, over pools of its own of ``num_blocks`` blocks."""
+    def with_pools(self, num_blocks: int, kv_bits=None) -> "ModelRunner":
+        """A runner like this one over pools of its own: ``num_blocks`` blocks, K/V in ``kv_bits``."""
         kernel = self.caches[0].kernel
-        return ModelRunner(self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps)
+        return ModelRunner(
+            self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps, kv_bits, self.kv_group_size
+        )
+
+    @property
+    def num_blocks(self) -> int:
+        return self.caches[0].shape[0]
 
     def pools(self) -> list[mx.array]:
-        return [a for c in self.caches for a in (c.keys, c.values)]
+        return [a for c in self.caches for a in c.arrays]
+
+    def block_layout(self) -> list[tuple[str, tuple, mx.Dtype]]:
+        """Name, shape and dtype of each array ``read_blocks`` returns for one block."""
+        per_block = self.caches[0].shape[1] * self.block_size
+        return [
+            (name, (per_block, array.shape[1]), array.dtype)
+            for layer, cache in enumerate(self.caches)
+            for name, array in zip(cache.names(layer), cache.arrays)
+        ]
 
     def reset_pools(self) -> None:
         """New, zeroed pools, for when what the old ones hold is unknown."""
         for cache in self.caches:
-            cache.keys = mx.zeros(cache.keys.shape, cache.keys.dtype)
-            cache.values = mx.zeros(cache.values.shape, cache.values.dtype)
+            cache.arrays = [mx.zeros(a.shape, a.dtype) for a in cache.arrays]
             cache.plan = None
         mx.eval(self.pools())
 
-    # -- transactions: a step's writes (copies, loads, its K/V) are lazy until launch ------------
+    def grow(self, num_blocks: int) -> None:
+        """Grow the pools to ``num_blocks`` blocks, keeping their contents; steps are traced anew."""
+        for cache in self.caches:
+            cache.resize(num_blocks)
+        self._compiled_rows = None
+        self._traced_shapes.clear()
+
+    # -- transactions -----------------------------------------------------------------------
+    #
+    # A step writes (copies, swap-ins, disk loads, its K/V) into slots no one reads unless it commits
+    # (its new tokens' slots, fresh blocks), and into blocks whose K/V someone reads again if it is
+    # undone: blocks a preempted request held, which the engine names to ``protect`` before writing,
+    # and cached free blocks, which an undone step takes out of the prefix cache instead. Keeping the
+    # whole pools would make every write copy them, or forbid evaluating within a step.
 
     def begin(self) -> None:
-        """Remember the pools, so that ``rollback`` drops every write made after this.
+        self._kept = []
 
-        A write (``pool[rows] = x``) makes the very array object it writes to stand
-        for the new value, so what is kept is new handles on the old values.
-        """
-        self._saved_pools = [mx.array(pool) for pool in self.pools()]
+    def protect(self, blocks: list[int]) -> None:
+        """Keep a copy of the blocks' K/V as they are now, for ``rollback`` to write back."""
+        if blocks:
+            data = self.read_blocks(blocks)
+            mx.eval(data)
+            self._kept.append((blocks, data))
 
     def commit(self) -> None:
-        """Forget the remembered pools; call it before ``launch``, or the writes copy the pools."""
-        self._saved_pools = None
+        self._kept = None
 
     def rollback(self) -> None:
-        self._set_pools(self._saved_pools)
-        self._saved_pools = None
+        """Write back what ``protect`` kept. What else the step wrote stays, in slots no one reads."""
+        for blocks, data in reversed(self._kept):
+            self._write(blocks, data)
+        self._kept = None
         for cache in self.caches:
             cache.plan = None
 
     def _set_pools(self, pools: list[mx.array]) -> None:
-        for cache, keys, values in zip(self.caches, pools[::2], pools[1::2]):
-            cache.keys, cache.values = keys, values
+        start = 0
+        for cache in self.caches:
+            count = len(cache.arrays)
+            cache.arrays = list(pools[start : start + count])
+            start += count
 
     @property
     def kv_bytes(self) -> int:
@@ -102,19 +150,23 @@ class ModelRunner:
             cache.copy_blocks(copies)
 
     def read_blocks(self, blocks: list[int]) -> list[mx.array]:
-        """The K and V of the given blocks in every layer (lazy copies)."""
+        """The pool arrays' rows of the given blocks in every layer (lazy copies), in ``block_layout`` order."""
         out = []
         for cache in self.caches:
             rows = cache.block_rows(blocks)
-            out += [cache.keys[rows], cache.values[rows]]
+            out += [array[rows] for array in cache.arrays]
         return out
 
     def write_blocks(self, blocks: list[int], data: list[mx.array]) -> None:
         """Write what ``read_blocks`` returned into (other) blocks."""
-        for cache, keys, values in zip(self.caches, data[::2], data[1::2]):
+        self._write(blocks, data)
+
+    def _write(self, blocks: list[int], data: list[mx.array]) -> None:
+        parts = iter(data)
+        for cache in self.caches:
             rows = cache.block_rows(blocks)
-            cache.keys[rows] = keys
-            cache.values[rows] = values
+            for array in cache.arrays:
+                array[rows] = next(parts)
 
     def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> mx.array:
         """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order.

@@ -18,6 +18,13 @@ Optional:
 - ``prefill_as_rows(num_tokens, context_len) -> bool``: whether a prefill chunk
   is best served as ``num_tokens`` single-query rows; a step whose chunks all
   are then reaches the kernel as decode rows only.
+- ``quantized = True``: the kernel also reads quantized pools: with ``kv_bits``
+  the pools it gets are ``quantized.QuantizedPool`` objects (packed values,
+  scales and biases; ``.shape`` and ``.dtype`` are those of the values). The
+  engine refuses ``kv_bits`` with kernels without it.
+
+Only steps of single-query rows are traced: a kernel may evaluate arrays while
+it serves prefill chunks (the portable kernel does, to bound their memory).
 """
 
 from typing import Protocol

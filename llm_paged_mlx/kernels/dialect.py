@@ -51,6 +51,22 @@ __device__ __forceinline__ void pa_load(float* dst, const U* src) {
   }
 }
 
+// N codes of B bits, packed from the low bits of 32-bit words upwards (mx.quantize's layout), as
+// floats. src holds N * B / 32 words, aligned to their size, and is read in one load.
+template <int W>
+struct alignas(4 * W) PaWords {
+  unsigned int w[W];
+};
+template <int N, int B>
+__device__ __forceinline__ void pa_load_codes(float* dst, const unsigned int* src) {
+  const PaWords<N * B / 32> raw = *reinterpret_cast<const PaWords<N * B / 32>*>(src);
+  _Pragma("unroll")
+  for (int i = 0; i < N; ++i) {
+    const unsigned int code = (raw.w[i * B / 32] >> ((i * B) % 32)) & ((1u << B) - 1u);
+    dst[i] = __uint_as_float(0x4b000000u | code) - 8388608.0f;  // 2^23 + code, exactly: no int-to-float convert
+  }
+}
+
 // Stores v as the element type of dst.
 template <typename P>
 __device__ __forceinline__ void pa_store(P* dst, float v) {
@@ -81,6 +97,14 @@ template <int N, typename U>
 inline void pa_load(thread float* dst, const device U* src) {
   for (int i = 0; i < N; ++i) {
     dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// N codes of B bits, packed from the low bits of 32-bit words upwards (mx.quantize's layout), as floats.
+template <int N, int B>
+inline void pa_load_codes(thread float* dst, const device unsigned int* src) {
+  for (int i = 0; i < N; ++i) {
+    dst[i] = static_cast<float>((src[i * B / 32] >> ((i * B) % 32)) & ((1u << B) - 1u));
   }
 }
 
@@ -120,6 +144,11 @@ def split_kernels(template: str) -> dict[str, str]:
     return {name: body.strip() + "\n" for name, body in zip(pieces[1::2], pieces[2::2])}
 
 
-def render(template: str, dialect: Dialect) -> dict[str, tuple[str, str]]:
-    """``{kernel: (header, body)}`` ready for ``mx.fast.metal_kernel``/``cuda_kernel``."""
-    return {name: (dialect.header, dialect.prelude + body) for name, body in split_kernels(template).items()}
+def render(template: str, dialect: Dialect, defines: dict[str, int] | None = None) -> dict[str, tuple[str, str]]:
+    """``{kernel: (header, body)}`` ready for ``mx.fast.metal_kernel``/``cuda_kernel``.
+
+    ``defines``: the macros that choose one variant of the template (``{"PA_BITS": 4, ...}``), written
+    as ``#define`` lines at the head of every kernel's header.
+    """
+    macros = "".join(f"#define {name} {value}\n" for name, value in (defines or {}).items())
+    return {name: (macros + dialect.header, dialect.prelude + body) for name, body in split_kernels(template).items()}

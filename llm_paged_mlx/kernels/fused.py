@@ -5,29 +5,82 @@ Decode rows run two kernels: one threadgroup per (row, KV head, head group,
 kernel merges a row's partitions, so a few long sequences still fill the GPU
 (vLLM's paged attention v2). The sources compile at first use.
 
-Before a configuration (device, dtype, head dim, block size, GQA ratio) is
-first used, the kernel runs on random inputs, with every K/V position a query
-must not see set to NaN, and is compared with ``PortableKernel``. A compile
-error or a mismatch warns once and that configuration stays on the portable
-kernel, so a kernel that was never run on this hardware cannot give wrong
-tokens. Shapes the kernel does not cover (head dims other than a power of two
-from 8 to 256, K and V head dims that differ, ...) also use the portable kernel.
+Quantized pools (``quantized.QuantizedPool``, 8 or 4 bits) are read by a
+variant of the same kernel that dequantizes each lane's values in registers.
+
+Before a configuration (device, dtype, head dim, block size, GQA ratio, bits
+and group size) is first used, the kernel runs on random inputs, with every
+K/V position a query must not see set to NaN (for quantized pools: its
+scales), and is compared with ``PortableKernel`` in float32 over the same
+values. A compile error or a mismatch warns once and that configuration stays
+on the portable kernel, so a kernel that was never run on this hardware cannot
+give wrong tokens. Shapes the kernel does not cover (head dims other than a
+power of two from 8 to 256, K and V head dims that differ, ...) also use the
+portable kernel.
 """
 
 import hashlib
 import warnings
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from .dialect import CUDA, METAL, Dialect, read_template, render
 from .plan import AttentionPlan
 from .portable import PortableKernel, decode_attention, prefill_attention
+from .quantized import QuantizedPool
 
 SIMD = 32
+VEC = 8  # values of a K/V row per lane (the template's VEC)
 MAX_HEADS_PER_GROUP = 8
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
+BITS = (8, 4)  # quantized pools the kernel reads
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel of one variant, as ``mx.fast.metal_kernel``/``cuda_kernel`` take it."""
+
+    name: str
+    input_names: list[str]
+    output_names: list[str]
+    header: str
+    source: str
+
+
+def kernel_sources(template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None):
+    """``{"partition": KernelSource, "reduce": KernelSource}`` for full precision (``bits`` None) or for
+    pools quantized to ``bits`` in groups of ``group_size``. Names differ by variant and template text
+    (MLX caches compiled kernels by name)."""
+    defines = {"PA_BITS": bits or 0, "PA_GROUP": group_size if bits else 0}
+    bodies = render(template, dialect, defines)
+    tag = hashlib.sha1(template.encode()).hexdigest()[:12]
+    variant = f"q{bits}g{group_size}_" if bits else ""
+    pools = (
+        ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"] if bits else ["k_pool", "v_pool"]
+    )
+    specs = {
+        "partition": (f"paged_attention_partition_{variant}{tag}",
+                      ["queries", *pools, "block_tables", "context_lens", "scale"],
+                      ["part_out", "part_m", "part_l"]),
+        "reduce": (f"paged_attention_reduce_{tag}", ["part_out", "part_m", "part_l", "context_lens"], ["out"]),
+    }  # fmt: skip
+    return {
+        kernel: KernelSource(name, inputs, outputs, *bodies[kernel])
+        for kernel, (name, inputs, outputs) in specs.items()
+    }
+
+
+def quantization(k_pool, v_pool) -> tuple[int | None, int | None] | None:
+    """``(bits, group_size)`` of two pools quantized alike, ``(None, None)`` for two plain arrays, else None."""
+    if isinstance(k_pool, QuantizedPool) and isinstance(v_pool, QuantizedPool):
+        same = (k_pool.bits, k_pool.group_size) == (v_pool.bits, v_pool.group_size)
+        return (k_pool.bits, k_pool.group_size) if same else None
+    if isinstance(k_pool, QuantizedPool) or isinstance(v_pool, QuantizedPool):
+        return None
+    return None, None
 
 
 class FusedKernel:
@@ -37,6 +90,7 @@ class FusedKernel:
     dialect: Dialect
     auto_priority = 10
     compilable = True
+    quantized = True  # takes quantized.QuantizedPool pools
     # A prefill chunk runs as single-query rows of the fused kernel while its
     # tokens x context length is at most this; larger chunks use the portable
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
@@ -58,7 +112,7 @@ class FusedKernel:
         self.warps = warps
         self.init_value = float("nan") if poison_outputs else None
         self.portable = PortableKernel()
-        self._kernels = None
+        self._kernels: dict[tuple, object] = {}
         self._checked: dict[tuple, bool] = {}
         self._scales: dict[float, mx.array] = {}
 
@@ -84,18 +138,24 @@ class FusedKernel:
 
     def supports(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
         """Whether these shapes and dtypes are within what the kernel was written for."""
+        layout = quantization(k_pool, v_pool)
+        if layout is None:
+            return False
+        bits, group_size = layout
         _, kv_heads, block_size, dim = k_pool.shape
-        lanes = dim // 8
+        lanes = dim // VEC
         return (
             dtype in DTYPES
             and k_pool.dtype == v_pool.dtype == dtype
             and v_pool.shape == k_pool.shape
-            and dim % 8 == 0
+            and dim % VEC == 0
             and 1 <= lanes <= SIMD
             and lanes & (lanes - 1) == 0
             and block_size % (SIMD // lanes) == 0
             and self.partition_size % block_size == 0
             and q_heads % kv_heads == 0
+            # a lane's VEC values fill whole words and lie in one group
+            and (bits is None or (bits in BITS and group_size % VEC == 0 and dim % group_size == 0))
         )
 
     def usable(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
@@ -103,7 +163,7 @@ class FusedKernel:
         if not self.supports(dtype, k_pool, v_pool, q_heads):
             return False
         _, kv_heads, block_size, dim = k_pool.shape
-        key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads)
+        key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads, *quantization(k_pool, v_pool))
         if key not in self._checked:
             self._checked[key] = self._self_check(*key[1:])
         return self._checked[key]
@@ -112,19 +172,25 @@ class FusedKernel:
         """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
+        dtype = k_pool.dtype
         rep = q_heads // kv_heads
         groups = -(-rep // MAX_HEADS_PER_GROUP)
         heads_per_group = -(-rep // groups)
         part = self.partition_size
         parts = -(-block_tables.shape[1] * block_size // part)
         threads = self.warps * SIMD
-        partition, reduce = self._compiled()
+        bits, group_size = quantization(k_pool, v_pool)
+        partition, reduce = self._compiled(bits, group_size)
+        if bits:
+            pools = [k_pool.data, k_pool.scales, k_pool.biases, v_pool.data, v_pool.scales, v_pool.biases]
+        else:
+            pools = [k_pool, v_pool]
         lens = context_lens.astype(mx.int32)
         one = parts == 1  # the partition kernel writes the output itself
         part_out, part_m, part_l = partition(
-            inputs=[queries, k_pool, v_pool, block_tables.astype(mx.int32), lens, self._scale(scale)],
+            inputs=[queries, *pools, block_tables.astype(mx.int32), lens, self._scale(scale)],
             template=[
-                ("T", k_pool.dtype),
+                ("T", dtype),
                 ("D", dim),
                 ("BS", block_size),
                 ("REP", rep),
@@ -136,18 +202,18 @@ class FusedKernel:
             grid=(parts * threads, kv_heads * groups, rows),
             threadgroup=(threads, 1, 1),
             output_shapes=[(rows, q_heads, parts, dim)] + [(1,) if one else (rows, q_heads, parts)] * 2,
-            output_dtypes=[k_pool.dtype if one else mx.float32, mx.float32, mx.float32],
+            output_dtypes=[dtype if one else mx.float32, mx.float32, mx.float32],
             init_value=self.init_value,
         )
         if one:
             return part_out
         (out,) = reduce(
             inputs=[part_out, part_m, part_l, lens],
-            template=[("T", k_pool.dtype), ("D", dim), ("PART", part)],
+            template=[("T", dtype), ("D", dim), ("PART", part)],
             grid=(dim, q_heads, rows),
             threadgroup=(dim, 1, 1),
             output_shapes=[(rows, q_heads, 1, dim)],
-            output_dtypes=[k_pool.dtype],
+            output_dtypes=[dtype],
             init_value=self.init_value,
         )
         return out
@@ -159,32 +225,33 @@ class FusedKernel:
             mx.eval(self._scales[scale])
         return self._scales[scale]
 
-    def _compiled(self):
-        if self._kernels is None:
-            bodies = render(self.template, self.dialect)
-            tag = hashlib.sha1(self.template.encode()).hexdigest()[:12]
+    def _compiled(self, bits=None, group_size=None):
+        """The (partition, reduce) kernels of a variant, made at first use."""
+        key = (bits, group_size)
+        if key not in self._kernels:
             make = mx.fast.cuda_kernel if self.dialect is CUDA else mx.fast.metal_kernel
-            specs = {
-                "partition": (["queries", "k_pool", "v_pool", "block_tables", "context_lens", "scale"],
-                              ["part_out", "part_m", "part_l"]),
-                "reduce": (["part_out", "part_m", "part_l", "context_lens"], ["out"]),
-            }  # fmt: skip
-            self._kernels = tuple(
+            sources = kernel_sources(self.template, self.dialect, bits, group_size)
+            self._kernels[key] = tuple(
                 make(
-                    name=f"paged_attention_{kernel}_{tag}",
-                    input_names=inputs,
-                    output_names=outputs,
-                    header=bodies[kernel][0],
-                    source=bodies[kernel][1],
+                    name=k.name,
+                    input_names=k.input_names,
+                    output_names=k.output_names,
+                    header=k.header,
+                    source=k.source,
                 )
-                for kernel, (inputs, outputs) in specs.items()
+                for k in (sources["partition"], sources["reduce"])
             )
-        return self._kernels
+        return self._kernels[key]
 
-    def _self_check(self, dtype, dim: int, block_size: int, rep: int) -> bool:
+    def _self_check(self, dtype, dim: int, block_size: int, rep: int, bits=None, group_size=None) -> bool:
         config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
+        if bits:
+            config += f", kv_bits={bits}, group_size={group_size}"
         try:
-            error = max(self.check_error(dtype, dim, block_size, rep, one_partition=one) for one in (False, True))
+            error = max(
+                self.check_error(dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size)
+                for one in (False, True)
+            )
         except Exception as exc:  # a compile or launch error: any failure means "don't use it"
             warnings.warn(
                 f"{self.name} paged attention kernel failed for {config} ({exc}); using the portable kernel",
@@ -202,13 +269,25 @@ class FusedKernel:
             return False
         return True
 
-    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2, one_partition=False) -> float:
-        """Relative error of ``decode`` against the portable kernel on random inputs.
+    def check_error(
+        self,
+        dtype,
+        dim: int,
+        block_size: int,
+        rep: int,
+        kv_heads: int = 2,
+        one_partition=False,
+        bits: int | None = None,
+        group_size: int | None = 64,
+    ) -> float:
+        """Relative error of ``decode`` against the portable kernel (float32) on random inputs.
 
         Rows of 1, a block and a bit, and several partitions' worth of tokens
         (and, with ``one_partition``, rows that fit one partition: the kernel
         without its reduce pass); every position a row must not see holds NaN in
-        the fused kernel's pools.
+        the fused kernel's pools. With ``bits``, the pools are random values
+        quantized in groups of ``group_size`` (hidden positions: NaN scales), and
+        the reference reads them dequantized.
         """
         lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
         rows, width = len(lens), -(-max(lens) // block_size)
@@ -225,16 +304,20 @@ class FusedKernel:
         visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
         visible[tables.reshape(-1)] = seen
         scale = dim**-0.5
-        out = self.decode(
-            queries,
-            mx.where(visible, k_pool, mx.nan),
-            mx.where(visible, v_pool, mx.nan),
-            tables,
-            context_lens,
-            scale,
-        )
-        f32 = [x.astype(mx.float32) for x in (queries, k_pool, v_pool)]
-        ref = decode_attention(f32[0], f32[1], f32[2], tables, context_lens, scale)
+        if bits:
+            k_pool, v_pool = (
+                QuantizedPool(*mx.quantize(x, group_size, bits), bits, group_size) for x in (k_pool, v_pool)
+            )
+            poisoned = [
+                QuantizedPool(p.data, mx.where(visible, p.scales, mx.nan), p.biases, bits, group_size)
+                for p in (k_pool, v_pool)
+            ]
+            k_ref, v_ref = k_pool.dequantize(mx.float32), v_pool.dequantize(mx.float32)
+        else:
+            poisoned = [mx.where(visible, p, mx.nan) for p in (k_pool, v_pool)]
+            k_ref, v_ref = k_pool.astype(mx.float32), v_pool.astype(mx.float32)
+        out = self.decode(queries, *poisoned, tables, context_lens, scale)
+        ref = decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale)
         error = mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()
         return error.item()
 

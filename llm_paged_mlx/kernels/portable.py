@@ -2,13 +2,22 @@
 
 Decode rows read K/V through their block tables with ``mx.gather_mm`` over
 (block, kv-head) pairs, so no contiguous copy of the context is made. A prefill
-chunk gathers its context once and runs MLX's fused causal attention over it,
-which costs little next to the chunk's own compute.
+chunk over a short context gathers it once and runs MLX's fused causal
+attention over it; over a long one it goes tile by tile with an online
+softmax, so its memory stays bounded (``PREFILL_ATTENTION_BYTES``) at any
+context length. Quantized pools (``kernels.quantized``) are read as values:
+decode rows dequantize the blocks they use, prefill chunks one tile at a time.
 """
 
 import mlx.core as mx
 
 from .plan import AttentionPlan
+from .quantized import QuantizedPool, block_values
+
+# About the most a prefill chunk's attention holds at once: its scores over a tile of the context
+# (float32, a few live copies) and that tile's K and V. Chunks over longer contexts go tile by tile.
+PREFILL_ATTENTION_BYTES = 1 << 30
+SCORE_COPIES = 6
 
 
 class PortableKernel:
@@ -17,6 +26,7 @@ class PortableKernel:
     name = "portable"
     auto_priority = 0
     compilable = True
+    quantized = True
 
     def is_available(self) -> bool:
         return True
@@ -40,22 +50,85 @@ class PortableKernel:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-def gather_context(pool: mx.array, block_table: mx.array, length: int) -> mx.array:
-    """The first ``length`` tokens a block table points at, as ``(1, H, length, D)``."""
+def gather_context(pool, block_table: mx.array, length: int) -> mx.array:
+    """The first ``length`` tokens a block table points at, as values ``(1, H, length, D)``."""
     _, heads, block_size, dim = pool.shape
-    blocks = pool[block_table]  # (n, H, bs, D)
+    blocks = block_values(pool, block_table)  # (n, H, bs, D)
     ctx = blocks.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
     return mx.contiguous(ctx[None])
 
 
+def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
+    """Context tokens per tile for a chunk of ``num_queries`` queries: a multiple of the block size."""
+    _, kv_heads, block_size, dim = k_pool.shape
+    per_token = num_queries * q_heads * 4 * SCORE_COPIES + kv_heads * (dim + v_pool.shape[-1]) * v_pool.dtype.size
+    return max(1, PREFILL_ATTENTION_BYTES // per_token // block_size) * block_size
+
+
 def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale):
     """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence."""
+    n, q_heads = queries.shape[:2]
+    tile = prefill_tile(n, q_heads, k_pool, v_pool)
+    if context_len > tile:
+        return tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile)
     k = gather_context(k_pool, block_table, context_len)
     v = gather_context(v_pool, block_table, context_len)
     q = queries.swapaxes(0, 2)  # (1, Hq, n, D)
     mask = "causal" if q.shape[2] > 1 else None
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
     return out.swapaxes(0, 2)
+
+
+def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile: int):
+    """``prefill_attention`` over ``tile``-token slices of the context, merged with an online softmax.
+
+    Every slice has ``tile`` tokens (the last one padded with the null block and
+    masked), so a chunk's slices share one compiled tile step. Each slice is
+    evaluated before the next is queued, so this is not ``compilable``: prefill
+    chunks only run in eager steps.
+    """
+    n, q_heads, _, dim = queries.shape
+    _, kv_heads, block_size, _ = k_pool.shape
+    rep = q_heads // kv_heads
+    q = (queries * scale).astype(v_pool.dtype).reshape(n, kv_heads, rep, dim).transpose(1, 2, 0, 3)
+    q = q.reshape(kv_heads, rep * n, dim)
+    positions = mx.arange(context_len - n, context_len, dtype=mx.int32)
+    peak = mx.full((kv_heads, rep, n, 1), -mx.inf, mx.float32)
+    total = mx.zeros((kv_heads, rep, n, 1), mx.float32)
+    out = mx.zeros((kv_heads, rep, n, v_pool.shape[-1]), mx.float32)
+    per_tile = tile // block_size
+    tiles = -(-context_len // tile)
+    used = block_table[: -(-context_len // block_size)]
+    block_table = mx.pad(used, (0, tiles * per_tile - used.size))
+    for index in range(tiles):
+        start = index * tile
+        blocks = block_table[index * per_tile : (index + 1) * per_tile]
+        k = gather_context(k_pool, blocks, tile)[0]  # (H, tile, D)
+        v = gather_context(v_pool, blocks, tile)[0]
+        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), peak, total, out)
+        # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
+        # would be held at once.
+        mx.eval(peak, total, out)
+    out = (out / total).astype(queries.dtype)  # (H, rep, n, Dv)
+    return out.reshape(q_heads, n, -1).swapaxes(0, 1)[:, :, None]
+
+
+@mx.compile
+def _attend_tile(q, k, v, positions, start, peak, total, out):
+    """One tile's step of the online softmax: the running max logit, exp-sum and weighted sum of V."""
+    heads, rep, n, _ = out.shape
+    length = k.shape[1]
+    scores = (q @ k.swapaxes(1, 2)).astype(mx.float32).reshape(heads, rep, n, length)
+    visible = (mx.arange(length, dtype=mx.int32) + start)[None] <= positions[:, None]  # (n, length)
+    scores = mx.where(visible, scores, -mx.inf)
+    # Every query sees position 0, in the first tile: from there on the running max is finite.
+    new_peak = mx.maximum(peak, scores.max(axis=-1, keepdims=True))
+    probs = mx.exp(scores - new_peak)
+    part = (probs.astype(v.dtype).reshape(heads, rep * n, length) @ v).astype(mx.float32)
+    correction = mx.exp(peak - new_peak)
+    total = total * correction + probs.sum(axis=-1, keepdims=True)
+    out = out * correction + part.reshape(heads, rep, n, -1)
+    return new_peak, total, out
 
 
 # mx.gather_mm runs one GPU threadgroup per product along the grid's z axis, which CUDA caps here.
@@ -70,10 +143,12 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale)
     softmax is taken in float32 and normalised after the weighted sum.
     """
     rows, q_heads, _, dim = queries.shape
-    if v_pool.dtype != mx.float32 and mx.default_device() == mx.cpu:
-        # The CPU gather_mm only takes float32: upcast the blocks the rows use.
+    on_cpu = mx.default_device() == mx.cpu
+    if isinstance(k_pool, QuantizedPool) or (on_cpu and v_pool.dtype != mx.float32):
+        # Take the blocks the rows use as values: the CPU gather_mm only takes float32.
         used = block_tables.reshape(-1)
-        k_pool, v_pool = k_pool[used].astype(mx.float32), v_pool[used].astype(mx.float32)
+        dtype = mx.float32 if on_cpu else v_pool.dtype
+        k_pool, v_pool = block_values(k_pool, used, dtype), block_values(v_pool, used, dtype)
         block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
         return decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale).astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape

@@ -13,6 +13,7 @@ at its own position (``cache.offset`` is a ``(T,)`` array), see
 ``kernels.plan``.
 """
 
+import contextlib
 import sys
 from dataclasses import dataclass
 
@@ -22,21 +23,45 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
+from ..kernels.quantized import QuantizedPool, check_quantization
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
 
 
-class PagedLayerCache:
-    """One attention layer's K/V pool, behind mlx-lm's cache protocol."""
+def pool_columns(dim: int, dtype: mx.Dtype, kv_bits=None, kv_group_size=64) -> list[tuple[int, mx.Dtype]]:
+    """The width and dtype of each pool array that holds rows of ``dim`` values: one, or three quantized."""
+    if kv_bits is None:
+        return [(dim, dtype)]
+    groups = dim // kv_group_size
+    return [(dim * kv_bits // 32, mx.uint32), (groups, dtype), (groups, dtype)]
 
-    def __init__(self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel):
+
+class PagedLayerCache:
+    """One attention layer's K/V pool, behind mlx-lm's cache protocol.
+
+    The pool is a list of arrays with one row per (block, KV head, token):
+    K then V at full precision, or with ``kv_bits`` each of them as the packed
+    values, scales and biases of ``mx.quantize`` (``kernels.quantized``),
+    quantized as they are written.
+    """
+
+    def __init__(self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
+        check_quantization(kv_bits, kv_group_size, (k_dim, v_dim))
         self.shape = (num_blocks, num_kv_heads, block_size)
+        self.dtype = dtype
+        self.bits, self.group_size = kv_bits, kv_group_size
+        self.parts = 1 if kv_bits is None else 3  # arrays per K (and per V)
         rows = num_blocks * num_kv_heads * block_size
+        columns = [c for dim in (k_dim, v_dim) for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
         # One owner per pool array: a lingering view would make every write copy the pool.
-        self.keys = mx.zeros((rows, k_dim), dtype=dtype)
-        self.values = mx.zeros((rows, v_dim), dtype=dtype)
+        self.arrays = [mx.zeros((rows, width), dtype=t) for width, t in columns]
         self.kernel = kernel
         self.plan: AttentionPlan | None = None
+
+    def names(self, layer: int) -> list[str]:
+        """Names of the pool's arrays (as block files name them): k.0, v.0; quantized also k_scales.0, ..."""
+        suffixes = ("",) if self.bits is None else ("", "_scales", "_biases")
+        return [f"{kv}{suffix}.{layer}" for kv in "kv" for suffix in suffixes]
 
     @property
     def offset(self):
@@ -45,17 +70,29 @@ class PagedLayerCache:
     def update_and_fetch(self, keys, values):
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
-        self.keys[index] = keys.reshape(rows, heads, -1).astype(self.keys.dtype)
-        self.values[index] = values.reshape(rows, heads, -1).astype(self.values.dtype)
+        for x, arrays in ((keys, self.arrays[: self.parts]), (values, self.arrays[self.parts :])):
+            x = x.reshape(rows, heads, -1).astype(self.dtype)
+            parts = (x,) if self.bits is None else mx.quantize(x, group_size=self.group_size, bits=self.bits)
+            for array, part in zip(arrays, parts):
+                array[index] = part
         return keys, values  # unused: the hook reads the pools
 
     def make_mask(self, *args, **kwargs):
         return None
 
     def attend(self, queries, scale):
-        k_pool = self.keys.reshape(*self.shape, -1)
-        v_pool = self.values.reshape(*self.shape, -1)
-        return self.kernel(queries, k_pool, v_pool, self.plan, scale)
+        pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+        if self.bits is None:
+            k_pool, v_pool = pools
+        else:
+            k_pool = QuantizedPool(*pools[:3], self.bits, self.group_size)
+            v_pool = QuantizedPool(*pools[3:], self.bits, self.group_size)
+        out = self.kernel(queries, k_pool, v_pool, self.plan, scale)
+        if self.plan.prefills:
+            # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
+            # work, so a forward pass queued whole would hold every layer's activations at once.
+            mx.eval(out)
+        return out
 
     def block_rows(self, blocks: list[int]) -> mx.array:
         """The flat pool rows that hold the given blocks, block after block."""
@@ -67,12 +104,22 @@ class PagedLayerCache:
         """Copy whole blocks (copy-on-write), as (source, destination) pairs."""
         src = self.block_rows([s for s, _ in copies])
         dst = self.block_rows([d for _, d in copies])
-        self.keys[dst] = self.keys[src]
-        self.values[dst] = self.values[src]
+        for array in self.arrays:
+            array[dst] = array[src]
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow the pool to ``num_blocks`` blocks, keeping what it holds (one array copied at a time)."""
+        rows = num_blocks * self.shape[1] * self.shape[2]
+        for i, array in enumerate(self.arrays):
+            grown = mx.concatenate([array, mx.zeros((rows - array.shape[0], array.shape[1]), array.dtype)])
+            mx.eval(grown)
+            self.arrays[i] = grown
+            del array, grown
+        self.shape = (num_blocks, *self.shape[1:])
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(a.nbytes for a in self.arrays)
 
     # mlx-lm calls these on caches in some code paths.
     def empty(self):
@@ -80,7 +127,24 @@ class PagedLayerCache:
 
     @property
     def state(self):
-        return self.keys, self.values
+        return tuple(self.arrays)
+
+
+_float32_attention = False  # see float32_attention()
+
+
+@contextlib.contextmanager
+def float32_attention():
+    """Within it, mlx-lm's own attention (not the paged one) runs on float32 copies of its inputs.
+
+    The model check measures with it how much rounding inside attention moves a model's logits.
+    """
+    global _float32_attention
+    _float32_attention = True
+    try:
+        yield
+    finally:
+        _float32_attention = False
 
 
 def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
@@ -89,6 +153,9 @@ def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask
         if sinks is not None:
             raise ValueError("attention sinks are not supported by the paged engine")
         return cache.attend(queries, scale)
+    if _float32_attention and queries.dtype != mx.float32:
+        q, k, v = (x.astype(mx.float32) for x in (queries, keys, values))
+        return _original_sdpa(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks).astype(queries.dtype)
     return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
 
@@ -116,9 +183,10 @@ class LayerLayout:
     v_dim: int
     dtype: mx.Dtype
 
-    @property
-    def bytes_per_token(self) -> int:
-        return self.num_kv_heads * (self.k_dim + self.v_dim) * self.dtype.size
+    def bytes_per_token(self, kv_bits=None, kv_group_size=64) -> int:
+        """Bytes of one token's K and V in this layer's pool, at full precision or quantized to ``kv_bits``."""
+        columns = [c for dim in (self.k_dim, self.v_dim) for c in pool_columns(dim, self.dtype, kv_bits, kv_group_size)]
+        return self.num_kv_heads * sum(width * dtype.size for width, dtype in columns)
 
 
 def model_config(model: nn.Module):

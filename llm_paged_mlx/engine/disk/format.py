@@ -1,7 +1,7 @@
 """The block file format: one full KV block as a safetensors file, and every check a file must pass.
 
-A block file holds one tensor per layer for K and for V, named k.0, v.0, k.1, ... in
-``ModelRunner.read_blocks`` order, the block's token ids (int64), and string metadata:
+A block file holds the pool arrays' rows of one block, named as ``ModelRunner.block_layout``
+names them (k.0, v.0, k.1, ...; quantized K/V add k_scales.0, k_biases.0, ...), the block's token ids (int64), and string metadata:
 format name and version, model id, chain hash, and a checksum over the token ids and
 K/V bytes. numpy has no bfloat16, so bfloat16 K/V is stored as its raw 16 bits (uint16).
 ``decode`` trusts nothing in a file before checking it: every way a file can be
@@ -25,17 +25,12 @@ MAX_HEADER_BYTES = 1 << 20  # a block's header is a few KB; a larger length is d
 _DTYPE_NAMES = {
     np.dtype(name): code
     for name, code in [("float32", "F32"), ("float16", "F16"), ("uint16", "U16"), ("int64", "I64"), ("int32", "I32"),
-                       ("int8", "I8"), ("uint8", "U8")]
+                       ("int8", "I8"), ("uint8", "U8"), ("uint32", "U32")]
 }
 
 
 class BadBlockFile(Exception):
     """Why a block file cannot be used: its content is malformed, or it holds another model's or block's K/V."""
-
-
-def tensor_name(index: int) -> str:
-    """The name of a block's ``index``-th array in ``read_blocks`` order: k.0, v.0, k.1, ..."""
-    return f"{'kv'[index % 2]}.{index // 2}"
 
 
 def host(array: mx.array) -> np.ndarray:
@@ -60,9 +55,9 @@ def checksum(token_ids: np.ndarray, kv: Sequence[np.ndarray]) -> str:
     return digest.hexdigest()
 
 
-def encode(token_ids: np.ndarray, kv: Sequence[np.ndarray], model_id: str, chain_hash: bytes) -> bytes:
-    """The file of one block: its token ids (int64) and its host K/V arrays in ``read_blocks`` order."""
-    arrays = {"token_ids": token_ids, **{tensor_name(index): array for index, array in enumerate(kv)}}
+def encode(token_ids: np.ndarray, kv: Sequence[np.ndarray], names: Sequence[str], model_id: str, chain_hash: bytes) -> bytes:
+    """The file of one block: its token ids (int64) and its host K/V arrays, in ``read_blocks`` order, named."""
+    arrays = {"token_ids": token_ids, **dict(zip(names, kv))}
     meta = {
         "format": FORMAT,
         "version": VERSION,
@@ -77,7 +72,7 @@ def max_file_size(num_tokens: int, layout) -> int:
     """The most bytes a file of a block of ``num_tokens`` tokens and ``layout`` can hold: its header, at most
     ``MAX_HEADER_BYTES``, and its data."""
     data = num_tokens * np.dtype("int64").itemsize
-    data += sum(math.prod(shape) * storage_dtype(dtype).itemsize for shape, dtype in layout)
+    data += sum(math.prod(shape) * storage_dtype(dtype).itemsize for _, shape, dtype in layout)
     return 8 + MAX_HEADER_BYTES + data
 
 
@@ -114,8 +109,8 @@ def parse_header(raw: bytes) -> tuple[dict, dict]:
 def decode(data: bytes, model_id: str, chain_hash: bytes, token_ids: Sequence[int], layout) -> list[np.ndarray]:
     """The K/V arrays of a block file, after checking that it is the block ``chain_hash`` of ``model_id``.
 
-    ``token_ids`` are the block's tokens; ``layout`` is the (shape, dtype) of each
-    array a block holds, in ``read_blocks`` order. The arrays are views of ``data``.
+    ``token_ids`` are the block's tokens; ``layout`` is the name, shape and dtype of
+    each array a block holds, in ``read_blocks`` order. The arrays are views of ``data``.
     """
     length = header_length(data[:8], len(data))
     tensors, meta = parse_header(data[8 : 8 + length])
@@ -127,15 +122,15 @@ def decode(data: bytes, model_id: str, chain_hash: bytes, token_ids: Sequence[in
     if meta.get("chain_hash") != chain_hash.hex():
         raise BadBlockFile("holds another block than its name says")
     expected = {"token_ids": ((len(token_ids),), np.dtype("int64"))}
-    for index, (shape, dtype) in enumerate(layout):
-        expected[tensor_name(index)] = (tuple(shape), storage_dtype(dtype))
+    for name, shape, dtype in layout:
+        expected[name] = (tuple(shape), storage_dtype(dtype))
     if sorted(tensors) != sorted(expected):
         raise BadBlockFile(f"has tensors {sorted(tensors)}, not the {sorted(expected)} this model's K/V needs")
     buffer = memoryview(data)[8 + length :]
     arrays = {name: _tensor(name, tensors[name], buffer, *expected[name]) for name in expected}
     if arrays["token_ids"].tolist() != list(token_ids):
         raise BadBlockFile("holds other tokens than the prompt")
-    kv = [arrays[tensor_name(index)] for index in range(len(layout))]
+    kv = [arrays[name] for name, _, _ in layout]
     if checksum(arrays["token_ids"], kv) != meta.get("checksum"):
         raise BadBlockFile("fails its checksum (corrupt)")
     return kv

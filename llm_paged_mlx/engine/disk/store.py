@@ -98,13 +98,13 @@ class KVDiskCache:
     # -- reading (the engine's thread) ------------------------------------------
 
     def load_chain(
-        self, parent: Optional[bytes], blocks: Sequence[Sequence[int]], layout: Sequence[tuple[tuple, mx.Dtype]]
+        self, parent: Optional[bytes], blocks: Sequence[Sequence[int]], layout: Sequence[tuple[str, tuple, mx.Dtype]]
     ) -> list[list[mx.array]]:
         """The K/V of consecutive full blocks, up to the first one not on disk.
 
         ``blocks`` are the blocks' token ids, the first following the block whose
         chain hash is ``parent`` (None: the sequence's start). ``layout`` is the
-        (shape, dtype) of each array a block holds, in ``read_blocks`` order. A
+        name, shape and dtype of each array a block holds (``ModelRunner.block_layout``). A
         malformed file, or anything but a file, is removed, with a warning, and ends
         the chain; so does a file that cannot be read, which stays.
         """
@@ -127,7 +127,7 @@ class KVDiskCache:
         base = self._stamp(len(found))
         for position, (path, _) in enumerate(found):
             _touch(path, base - position)
-        return [[device(a, dtype) for a, (_, dtype) in zip(kv, layout)] for _, kv in found]
+        return [[device(a, dtype) for a, (_, _, dtype) in zip(kv, layout)] for _, kv in found]
 
     def _read(self, path: Path, max_size: int) -> Optional[tuple[bytes, os.stat_result]]:
         """The file's bytes and stat; None if it is not there, was no file of at most ``max_size``
@@ -161,12 +161,14 @@ class KVDiskCache:
 
     # -- writing (the engine's thread queues, the writer's thread writes) ------------
 
-    def save(self, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int, read_blocks: Callable) -> int:
+    def save(
+        self, token_ids: Sequence[int], block_ids: Sequence[int], block_size: int, read_blocks: Callable, names: Sequence[str]
+    ) -> int:
         """Queue the sequence's full blocks ``block_ids`` that are not on disk; returns how many.
 
         ``block_ids`` hold the K/V of the first ``len(block_ids) * block_size``
         tokens; ``read_blocks(ids)`` returns their K/V as ``ModelRunner.read_blocks``
-        does. A block whose tokens do not fill it is not saved: a lookup would take
+        does, arrays that the file names ``names``. A block whose tokens do not fill it is not saved: a lookup would take
         its file for a whole block. This thread only copies the data to host memory.
         """
         todo, parent = [], None
@@ -193,7 +195,7 @@ class KVDiskCache:
                     break
                 self._pending[digest] = block_bytes
                 self._pending_bytes += block_bytes
-            job = (digest, np.asarray(tokens, dtype=np.int64), [a[index] for a in arrays], base - index)
+            job = (digest, np.asarray(tokens, dtype=np.int64), [a[index] for a in arrays], names, base - index)
             if not self._writer.submit(self, job):  # it died since
                 with self._lock:
                     self._pending_bytes -= self._pending.pop(digest)
@@ -225,9 +227,9 @@ class KVDiskCache:
 
     def _write(self, job) -> bool:
         """Write one block's file (the writer's thread); False if it failed, with a warning the first time."""
-        digest, tokens, kv, mtime = job
+        digest, tokens, kv, names, mtime = job
         try:
-            files.write_atomically(self._path(digest), encode(tokens, kv, self.model_id, digest), mtime_ns=mtime)
+            files.write_atomically(self._path(digest), encode(tokens, kv, names, self.model_id, digest), mtime_ns=mtime)
         except Exception as e:  # a full disk, a read-only folder...: the engine goes on without it
             self._failed(f"could not write to {self.directory}: {e}")
             return False

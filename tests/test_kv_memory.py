@@ -1,0 +1,223 @@
+"""Issue E: quantized K/V blocks, bounded long prefill, pools that grow to a budget, and the auto budget."""
+
+import mlx.core as mx
+import pytest
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import memory
+from llm_paged_mlx.kernels import portable
+from llm_paged_mlx.kernels.quantized import QuantizedPool
+from llm_paged_mlx.models.paged_cache import PagedLayerCache
+from models import tiny_model
+from test_engine import random_prompts, reference
+
+
+def quantized_pool(pool, bits, group):
+    return QuantizedPool(*mx.quantize(pool, group_size=group, bits=bits), bits, group)
+
+
+def pools_and_tables(block_size, kv_heads, dim, rows=3, seed=0):
+    lens = [1, block_size + 3, 5 * block_size - 2][:rows]
+    width = -(-max(lens) // block_size)
+    num_blocks = rows * width + 1
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    k_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=k1)
+    v_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=k2)
+    tables = (mx.random.permutation(num_blocks - 1, key=k3) + 1).reshape(rows, width).astype(mx.int32)
+    return k_pool, v_pool, tables, mx.array(lens, mx.int32)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("gqa", [1, 4, 8])
+@pytest.mark.parametrize("dim", [64, 128])
+def test_portable_kernel_reads_quantized_blocks_as_their_values(bits, block_size, gqa, dim):
+    """Decode rows and a prefill chunk over quantized pools equal the same over the dequantized pools."""
+    kv_heads, group = 2, 64
+    k_pool, v_pool, tables, lens = pools_and_tables(block_size, kv_heads, dim)
+    kq, vq = quantized_pool(k_pool, bits, group), quantized_pool(v_pool, bits, group)
+    k_values, v_values = kq.dequantize(), vq.dequantize()
+    assert not mx.allclose(k_values, k_pool)  # quantizing loses something: the test can tell the two apart
+    queries = mx.random.normal((3, kv_heads * gqa, 1, dim), key=mx.random.key(5))
+    scale = dim**-0.5
+    got = portable.decode_attention(queries, kq, vq, tables, lens, scale)
+    want = portable.decode_attention(queries, k_values, v_values, tables, lens, scale)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    chunk = mx.random.normal((7, kv_heads * gqa, 1, dim), key=mx.random.key(6))
+    context = int(lens[2])
+    got = portable.prefill_attention(chunk, kq, vq, tables[2], context, scale)
+    want = portable.prefill_attention(chunk, k_values, v_values, tables[2], context, scale)
+    assert mx.allclose(got, want, atol=1e-5).item()
+
+
+def test_a_quantized_cache_writes_what_mx_quantize_gives():
+    from llm_paged_mlx.kernels.plan import AttentionPlan
+
+    cache = PagedLayerCache(4, 16, 2, 64, 64, mx.float32, portable.PortableKernel(), kv_bits=4, kv_group_size=32)
+    keys, values = mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64))
+    slots = mx.array([16, 17, 40], mx.int32)
+    cache.plan = AttentionPlan(16, slots, slots, 3, mx.zeros((3, 1), mx.int32), mx.ones(3, mx.int32))
+    cache.update_and_fetch(keys, values)
+    rows = cache.plan.write_indices(2)
+    for part, written in zip(mx.quantize(keys.reshape(3, 2, 64), group_size=32, bits=4), cache.arrays[:3]):
+        assert mx.array_equal(written[rows], part).item()
+    assert cache.nbytes < 4 * 2 * 16 * 64 * 4 * 2 / 4  # packed: less than a quarter of float32
+
+
+@pytest.mark.parametrize("bits", [None, 8, 4])
+def test_bytes_per_token_follow_the_bits(bits):
+    engine = Engine(tiny_model("llama"), kv_budget_bytes=1 << 22, kv_bits=bits, kv_group_size=32)
+    stats = engine.stats()
+    assert stats["kv_bits"] == bits
+    per_token = engine.runner.kv_bytes / ((stats["num_blocks"] + 1) * stats["block_size"])
+    full = 2 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x float32
+    expected = full if bits is None else full / 32 * bits + 2 * 2 * 2 * 2 * 4  # + a scale and bias per group
+    assert per_token == expected
+
+
+def test_quantized_k_v_generate_with_preemption_and_prefix_caching():
+    """8-bit K/V through the whole engine: a tight pool (preemption, swapping), then a repeated prompt
+    (prefix cache hit) gives the tokens it gave with room to spare."""
+    model = tiny_model("qwen3")
+    prompts = random_prompts([60, 90, 40, 75], seed=3)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    roomy = Engine(model, num_blocks=200, kv_bits=8, kv_group_size=32)
+    want = [o.token_ids for o in roomy.generate(prompts, params)]
+    tight = Engine(model, num_blocks=14, kv_bits=8, kv_group_size=32)
+    assert [o.token_ids for o in tight.generate(prompts, params)] == want
+    assert tight.stats()["preemptions"] > 0
+    again = tight.generate([prompts[2]], params)[0]
+    assert again.token_ids == want[2] and again.num_cached_tokens > 0
+
+
+def test_bad_quantization_settings_are_refused_with_the_reason():
+    model = tiny_model("llama")  # head dim 32
+    with pytest.raises(ValueError, match="kv_bits must be one of 8, 4"):
+        Engine(model, kv_bits=3)
+    with pytest.raises(ValueError, match="kv_group_size 64 does not divide the model's K/V head dimension 32"):
+        Engine(model, kv_bits=4, kv_group_size=64)
+    with pytest.raises(ValueError, match="kv_group_size must be one of"):
+        Engine(model, kv_bits=4, kv_group_size=48)
+
+
+# -- long prefill in bounded memory ----------------------------------------------------------------
+
+
+def test_a_prefill_chunk_over_a_long_context_goes_in_tiles_and_gives_mlx_lm_s_tokens(monkeypatch):
+    """With a tiny attention bound every prefill chunk is computed tile by tile; the tokens stay mlx-lm's."""
+    monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 1 << 16)
+    tiled = []
+    real = portable.tiled_prefill_attention
+    monkeypatch.setattr(portable, "tiled_prefill_attention", lambda *a: tiled.append(a[-1]) or real(*a))
+    model = tiny_model("llama")
+    prompt = random_prompts([300], seed=4)[0]
+    engine = Engine(model, max_num_batched_tokens=64)
+    out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert tiled and max(tiled) < 300
+    assert out.token_ids == reference(model, prompt, 8)
+
+
+def test_tiled_prefill_memory_does_not_grow_with_the_context():
+    """What a 256-query chunk's attention allocates is the same over 4K and over 16K tokens of context."""
+    block_size, heads, dim = 16, 2, 64
+
+    def peak(context):
+        k_pool = mx.random.normal((context // block_size + 1, heads, block_size, dim))
+        v_pool = mx.random.normal(k_pool.shape)
+        queries = mx.random.normal((256, 4 * heads, 1, dim))
+        table = mx.arange(1, context // block_size + 1).astype(mx.int32)
+        mx.eval(k_pool, v_pool, queries, table)
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(portable.tiled_prefill_attention(queries, k_pool, v_pool, table, context, 0.1, 512))
+        return mx.get_peak_memory() - base
+
+    small, large = peak(4096), peak(16384)
+    assert large < 1.1 * small + (1 << 20), (small, large)
+
+
+# -- pools that grow to the budget -------------------------------------------------------------------
+
+
+def test_the_pool_starts_small_and_grows_keeping_its_blocks(monkeypatch):
+    from llm_paged_mlx.engine import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "INITIAL_POOL_BYTES", 1)
+    model = tiny_model("llama")
+    engine = Engine(model, kv_budget_bytes=1 << 24, max_num_batched_tokens=32, max_num_seqs=2)
+    start = engine.stats()["num_blocks"]
+    assert start < engine.max_blocks - 1
+    short, long = random_prompts([40, 700], seed=6)
+    params = SamplingParams(max_tokens=6)
+    assert engine.generate([short], params)[0].token_ids == reference(model, short, 6)
+    assert engine.generate([long], params)[0].token_ids == reference(model, long, 6)
+    assert engine.stats()["num_blocks"] > start
+    again = engine.generate([short], params)[0]  # its blocks, cached before the pool grew, are still right
+    assert again.num_cached_tokens == 32 and again.token_ids == reference(model, short, 6)
+
+
+def test_a_prompt_that_can_never_fit_names_the_largest_context():
+    engine = Engine(tiny_model("llama"), num_blocks=11)  # 10 usable blocks of 16 tokens
+    with pytest.raises(ValueError, match="holds at most 159 prompt tokens; raise the budget"):
+        engine.add_request(list(range(160)))
+    engine.add_request(list(range(159)))  # the largest that fits is taken
+
+
+# -- the auto budget ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def memory_limit():
+    """MLX's memory limit, put back after the test (an auto budget lowers it)."""
+    limit = mx.get_memory_limit()
+    yield
+    mx.set_memory_limit(limit)
+
+
+def test_the_auto_budget_is_what_the_device_leaves(memory_limit):
+    model = tiny_model("llama")
+    total = 0.5 * memory.device_memory()
+    engine = Engine(model, kv_budget_bytes="auto", memory_fraction=0.5)
+    assert 0 < engine.kv_budget_bytes < total - mx.get_active_memory() + engine.runner.kv_bytes
+    assert mx.get_memory_limit() <= total
+    with pytest.raises(ValueError, match="memory_fraction must be in"):
+        Engine(model, kv_budget_bytes="auto", memory_fraction=1.5)
+    with pytest.raises(ValueError, match="no memory is left for the KV cache"):
+        Engine(model, kv_budget_bytes="auto", memory_fraction=1e-6)
+    with pytest.raises(ValueError, match="positive number of bytes or 'auto'"):
+        Engine(model, kv_budget_bytes="lots")
+
+
+def test_a_workload_larger_than_the_budget_stays_under_the_cap(memory_limit):
+    """A budget that holds a fraction of the work: requests are preempted and swapped, and peak memory stays
+    under the total the auto budget was sized from."""
+    model = tiny_model("llama", hidden_size=256, intermediate_size=512)
+    mx.eval(model.parameters())
+    reserve = memory.step_reserve(model, 64, 4)
+    pool = 40 * 16 * 2 * 2 * 2 * 64 * 4  # 40 blocks
+    fraction = (mx.get_active_memory() + reserve + pool) / memory.device_memory()
+    cap = fraction * memory.device_memory()
+    engine = Engine(model, kv_budget_bytes="auto", memory_fraction=fraction, max_num_batched_tokens=64, max_num_seqs=4)
+    prompts = random_prompts([200, 260, 180, 240, 220, 300], seed=8)
+    mx.reset_peak_memory()
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert engine.stats()["preemptions"] > 0
+    assert mx.get_peak_memory() <= cap
+    assert outputs[0].token_ids == reference(model, prompts[0], 40)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits):
+    """Blocks saved at ``kv_bits`` are read back by a new engine (another process, in effect) bit for bit."""
+    from llm_paged_mlx.engine.disk.store import KVDiskCache
+
+    model = tiny_model("llama")
+    prompt = random_prompts([70], seed=12)[0]
+    params = SamplingParams(max_tokens=10)
+    options = dict(num_blocks=64, kv_bits=bits, kv_group_size=32)
+    first = Engine(model, kv_disk_cache=KVDiskCache(tmp_path, f"tiny-q{bits}"), **options)
+    want = first.generate([prompt], params)[0].token_ids
+    first.disk.flush()
+    second = Engine(model, kv_disk_cache=KVDiskCache(tmp_path, f"tiny-q{bits}"), **options)
+    out = second.generate([prompt], params)[0]
+    assert out.num_disk_cached_tokens == 64 and out.token_ids == want
