@@ -90,7 +90,9 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
     n, q_heads, _, dim = queries.shape
     _, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
-    q = (queries * scale).astype(v_pool.dtype).reshape(n, kv_heads, rep, dim).transpose(1, 2, 0, 3)
+    # The CPU multiplies float32 matrices with BLAS and lower precisions without it.
+    dtype = mx.float32 if mx.default_device() == mx.cpu else v_pool.dtype
+    q = (queries * scale).astype(dtype).reshape(n, kv_heads, rep, dim).transpose(1, 2, 0, 3)
     q = q.reshape(kv_heads, rep * n, dim)
     positions = mx.arange(context_len - n, context_len, dtype=mx.int32)
     peak = mx.full((kv_heads, rep, n, 1), -mx.inf, mx.float32)
@@ -103,8 +105,8 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
     for index in range(tiles):
         start = index * tile
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
-        k = gather_context(k_pool, blocks, tile)[0]  # (H, tile, D)
-        v = gather_context(v_pool, blocks, tile)[0]
+        k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
+        v = gather_context(v_pool, blocks, tile)[0].astype(dtype)
         peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), peak, total, out)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
