@@ -337,7 +337,7 @@ def disk_cache(folder: Path, budget: int, kv_quantization=None):
     on_cpu = mx.default_device() == mx.cpu
     digests = plugin_dir() / "weight-digests.json"  # so a model's weights are hashed once, not at every start
     settings = {"dequantized": on_cpu, "dtype": "float32" if on_cpu else "as-stored"}
-    if kv_quantization is not None:  # full-precision K/V keep the ids they had before quantization came
+    if kv_quantization is not None:  # only quantized K/V add to the identity: full-precision files keep theirs
         settings["kv_bits"], settings["kv_group_size"] = kv_quantization
     identity = model_identity(folder, digests, **settings)
     key = (kv_disk_dir(), identity, budget)
