@@ -17,7 +17,6 @@ this engine's pool (as the engine sizes it from ``kv_budget_bytes``).
 
 import argparse
 import importlib.metadata
-import inspect
 import os
 import platform
 import sys
@@ -38,11 +37,6 @@ from llm_paged_mlx.models.paged_cache import PagedLayerCache, check_model  # noq
 GROUP_SIZE = 64
 BITS = (8, 4)
 TEXT_PACKAGE = "mlx-lm"
-
-
-def has_kv_bits(target=PagedLayerCache) -> bool:
-    """Whether this engine's pools (or ``target``, e.g. ``Engine``) take a ``kv_bits`` argument."""
-    return "kv_bits" in inspect.signature(target).parameters
 
 
 def text_tokens(tokenizer, count: int) -> tuple[list[int], str]:
@@ -130,18 +124,16 @@ def kl_and_agreement(reference: mx.array, other: mx.array) -> tuple[np.ndarray, 
     return np.array(kl), np.array(agree)
 
 
-def measure_quality(model, tokens: list[int], chunk: int, bits=BITS, engine_bits=None, as_rows=False) -> dict:
+def measure_quality(model, tokens: list[int], chunk: int, bits=BITS, as_rows=False) -> dict:
     """KL and top-1 agreement of each quantized setting against the same system at full precision.
 
-    ``engine_bits`` (default ``bits``) are the settings run on this engine's pools; ``bits`` those
-    run on mlx-lm's caches. Returns ``{("engine" | "mlx-lm", bits): {"kl": per-position array,
+    ``bits`` are run on this engine's pools and on mlx-lm's caches. Returns ``{("engine" | "mlx-lm", bits): {"kl": per-position array,
     "agree": ...}}`` and, under ``"full_max_abs_diff"``, the largest difference between the two
     systems' full-precision logits. ``as_rows`` sends the engine's chunks to the kernel as rows.
     """
     layouts = check_model(model)  # installs the attention hook: paged caches go to the paged kernel
     kernel = select_kernel("portable")
-    engine_bits = bits if engine_bits is None else engine_bits
-    runs = {("engine", b): PagedSequence(model, layouts, len(tokens), kernel, b, as_rows=as_rows) for b in (None, *engine_bits)}
+    runs = {("engine", b): PagedSequence(model, layouts, len(tokens), kernel, b, as_rows=as_rows) for b in (None, *bits)}
     runs.update({("mlx-lm", b): MlxLmSequence(model, b) for b in (None, *bits)})
     per = {key: {"kl": [], "agree": []} for key in runs if key[1] is not None}
     diff = 0.0
@@ -217,11 +209,9 @@ def quality_table(model, tokenizer, num_tokens: int, chunk: int, as_rows=False):
     print(f"\n## K/V quantization quality (group size {GROUP_SIZE}, teacher-forced in chunks of {chunk})\n")
     path = "single-query rows (the decode path)" if as_rows else "prefill chunks"
     print(f"Text: {source}. The engine's chunks reach its kernel as {path}.")
-    if not has_kv_bits():
-        print("This engine's PagedLayerCache has no kv_bits yet: only mlx-lm's rows are measured.")
     bits = BITS
     start = time.perf_counter()
-    result = measure_quality(model, tokens, chunk, bits, engine_bits=bits if has_kv_bits() else (), as_rows=as_rows)
+    result = measure_quality(model, tokens, chunk, bits, as_rows=as_rows)
     print(f"({time.perf_counter() - start:.1f} s)\n")
     print(f"Full precision, engine vs mlx-lm KVCache: max |logit difference| {result['full_max_abs_diff']:.2e}\n")
     print("| K/V | mean KL (nats) | max KL | top-1 agreement | KL engine / mlx-lm |")
@@ -247,7 +237,7 @@ def capacity_table(model, budget: int):
         "| engine / mlx-lm, same bits | engine / mlx-lm KVCache |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
-    settings = [None, *BITS] if has_kv_bits(Engine) else [None]
+    settings = [None, *BITS]
     baseline = None
     for bits in settings:
         theirs = mlx_lm_capacity(layouts, budget, bits)
@@ -259,8 +249,6 @@ def capacity_table(model, budget: int):
             f"| {theirs['tokens']:,} ({theirs['bytes']:,}) | {ours['tokens']:,} ({ours['bytes']:,}) "
             f"| {ours['tokens'] / theirs['tokens']:.3f}x | {ours['tokens'] / baseline['tokens']:.2f}x |"
         )
-    if not has_kv_bits(Engine):
-        print("\n(Engine has no kv_bits yet: only full precision compared.)")
     if context:
         print(f"\nThe model's own context is {context:,} tokens; the engine admits min(pool, context) per request.")
 

@@ -15,9 +15,8 @@ from llm_paged_mlx.models.loading import ModelFetchError, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from kv_quality import BITS, has_kv_bits, measure_quality, text_tokens  # noqa: E402
+from kv_quality import BITS, measure_quality, text_tokens  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not has_kv_bits(), reason="PagedLayerCache has no kv_bits")
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,6 @@ over a fake runner whose arrays have every dtype a pool can have (quantized pool
 
 import errno
 import functools
-import inspect
 import os
 import threading
 
@@ -26,7 +25,6 @@ from llm_paged_mlx.engine.swap import AutoSwapPolicy, CPUSwapPolicy, DiskSwapPol
 LENGTHS = [40, 300, 120, 7, 64, 200]
 MAX_TOKENS = 40
 DTYPES = {"fp32": mx.float32, "fp16": mx.float16, "bf16": mx.bfloat16}
-QUANTIZED = "kv_bits" in inspect.signature(Engine).parameters
 
 
 # -- helpers -------------------------------------------------------------------------------------
@@ -42,12 +40,7 @@ def model(dtype_name):
 def kv_options(kv_bits):
     if kv_bits is None:
         return {}
-    if not QUANTIZED:
-        pytest.skip("Engine has no kv_bits yet")
-    options = {"kv_bits": kv_bits}
-    if "kv_group_size" in inspect.signature(Engine).parameters:
-        options["kv_group_size"] = 32  # the tiny model's head_dim
-    return options
+    return {"kv_bits": kv_bits, "kv_group_size": 32}  # the tiny model's head_dim
 
 
 @functools.cache

@@ -113,8 +113,6 @@ class Engine:
             num_blocks = budget // block_bytes
             if num_blocks < 2:
                 raise ValueError(f"a KV budget of {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
-        elif num_blocks < 2:
-            raise ValueError(f"num_blocks must be at least 2 (one is the null block), got {num_blocks}")
         self._block_bytes = block_bytes
         self.max_blocks = num_blocks
         self.kv_budget_bytes = num_blocks * block_bytes
@@ -332,9 +330,7 @@ class Engine:
         """Before a step writes: have the runner keep the K/V it overwrites in blocks a sequence held at its
         start, and note the cached free blocks it overwrites (an undone step takes them out of the cache)."""
         size = self.blocks.block_size
-        written = [slot // size for chunk in plan.chunks for slot in chunk.slots[::size]] + [
-            chunk.slots[-1] // size for chunk in plan.chunks
-        ]
+        written = list({slot // size for chunk in plan.chunks for slot in chunk.slots})
         written += [destination for _, destination in self.blocks.pending_copies]
         written += [block_id for block_id, _ in plan.disk_loads]
         for request in plan.swapped_in:

@@ -11,6 +11,7 @@ that limit to the total (less what an allocation may overshoot it by). Each
 engine sizes its budget as if it were alone in the process.
 """
 
+import contextlib
 import os
 from typing import Optional
 
@@ -43,13 +44,10 @@ def memory_limit() -> int:
 
 def available_ram() -> Optional[int]:
     """Bytes of host memory available without swapping (Linux: MemAvailable; else free pages), or None."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
+    with contextlib.suppress(OSError, ValueError, IndexError), open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
     try:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

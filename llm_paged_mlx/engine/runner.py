@@ -68,12 +68,10 @@ class ModelRunner:
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
         self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
 
-    def with_pools(self, num_blocks: int, kv_bits=None) -> "ModelRunner":
-        """A runner like this one over pools of its own: ``num_blocks`` blocks, K/V in ``kv_bits``."""
+    def with_pools(self, num_blocks: int) -> "ModelRunner":
+        """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
         kernel = self.caches[0].kernel
-        return ModelRunner(
-            self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps, kv_bits, self.kv_group_size
-        )
+        return ModelRunner(self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps)
 
     @property
     def num_blocks(self) -> int:

@@ -28,13 +28,12 @@ import mlx.core as mx
 from .dialect import CUDA, METAL, Dialect, read_template, render
 from .plan import AttentionPlan
 from .portable import PortableKernel, decode_attention, prefill_attention
-from .quantized import QuantizedPool
+from .quantized import KV_BITS, QuantizedPool
 
 SIMD = 32
 VEC = 8  # values of a K/V row per lane (the template's VEC)
 MAX_HEADS_PER_GROUP = 8
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
-BITS = (8, 4)  # quantized pools the kernel reads
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
@@ -155,7 +154,7 @@ class FusedKernel:
             and self.partition_size % block_size == 0
             and q_heads % kv_heads == 0
             # a lane's VEC values fill whole words and lie in one group
-            and (bits is None or (bits in BITS and group_size % VEC == 0 and dim % group_size == 0))
+            and (bits is None or (bits in KV_BITS and group_size % VEC == 0 and dim % group_size == 0))
         )
 
     def usable(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
