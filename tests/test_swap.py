@@ -241,6 +241,34 @@ def test_a_failed_step_releases_the_file_it_swapped_out_to(tmp_path):
     assert_no_files(recorder.policy)
 
 
+def test_a_swap_file_damaged_on_disk_fails_one_step_then_its_request_is_computed_again(tmp_path):
+    """The file a request was swapped out to is cut short before it is read back: that step fails with an
+    error naming the file, the request is prefilled again, and every request still gets its tokens."""
+    engine = swapping_engine("fp32", DiskSwapPolicy(tmp_path), settle=True)
+    policy, real_swap_in, errors = engine.swap.policy, engine.swap.swap_in, []
+
+    def swap_in_of_a_damaged_file(handle, blocks, runner):
+        if not errors and handle.arrays is None:
+            os.truncate(handle.path, 10)
+        return real_swap_in(handle, blocks, runner)
+
+    engine.swap.swap_in = swap_in_of_a_damaged_file
+    prompts, params = random_prompts(LENGTHS), SamplingParams(max_tokens=MAX_TOKENS)
+    ids = [engine.add_request(p, params) for p in prompts]
+    outputs = {}
+    while engine.has_unfinished():
+        try:
+            collect(engine.step(), outputs)
+        except RuntimeError as e:
+            errors.append(str(e))
+            if len(errors) > 3:
+                break  # the same step fails again and again
+    assert len(errors) == 1 and "holds 10 bytes" in errors[0]
+    assert [outputs[i] for i in ids] == expected("fp32", None)
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+    assert_no_files(policy)
+
+
 def test_an_aborted_swapped_request_s_file_goes(tmp_path):
     engine = swapping_engine("fp32", DiskSwapPolicy(tmp_path), settle=True)
     params = SamplingParams(max_tokens=MAX_TOKENS)

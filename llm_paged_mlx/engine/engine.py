@@ -45,10 +45,12 @@ class _DeviceFailure(Exception):
 
 @dataclass
 class _SwapHandles:
-    """Swap handles a step made (released if it is undone) and used up (released once it commits)."""
+    """Swap handles a step made (released if it is undone) and used up (released once it commits), and
+    requests whose handle failed to swap in (if the step is undone, they are computed again instead)."""
 
     created: list = field(default_factory=list)
     consumed: list = field(default_factory=list)
+    unreadable: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -310,6 +312,9 @@ class Engine:
             self.blocks.uncache(self._overwritten_cached)
             for handle in handles.created:
                 self._discard(handle)
+            for request in handles.unreadable:  # a damaged swap file must not fail every later step
+                self._discard(request.swap_handle)
+                request.swap_handle, request.num_computed = None, 0
             raise
         self.runner.commit()
         self.scheduler.commit()
@@ -351,7 +356,11 @@ class Engine:
         self._copy_blocks()
         for request in plan.swapped_in:
             table = request.blocks.table[: self._blocks_for(request.num_computed)]
-            self.swap.swap_in(request.swap_handle, table, self.runner)
+            try:
+                self.swap.swap_in(request.swap_handle, table, self.runner)
+            except Exception:
+                handles.unreadable.append(request)
+                raise
             handles.consumed.append(request.swap_handle)
             request.swap_handle = None
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
