@@ -12,9 +12,11 @@ length. Then the engine with 4-bit K/V takes a 128K-token prompt, and a
 8K-token one for the decode rate it keeps at 128K. Each row: context, prefill
 tokens/s, decode tokens/s, peak memory.
 
-    python benchmarks/long_context.py [--limit-gib 16] [--small] [--skip-largest]
+    python benchmarks/long_context.py [--limit-gib 16] [--small] [--part long|largest]
 
 ``--small`` runs a 4-layer model with a 1 GiB limit (a smoke test, or the CPU).
+``--part`` runs only the long-prompt rows or only the largest-context rows
+(each part builds the model and its engines anew).
 """
 
 import argparse
@@ -113,11 +115,11 @@ def largest_mlx_lm(model, vocab, limit, lengths):
     return best
 
 
-def engine_for(model, bits, limit, vocab):
+def engine_for(model, bits, limit, vocab, group_size=64):
     """An engine with the auto budget, warmed up (kernels compiled and checked) by a short request."""
     fresh()
     start = time.perf_counter()
-    engine = Engine(model, kv_budget_bytes="auto", memory_fraction=1.0, kv_bits=bits, kv_group_size=64)
+    engine = Engine(model, kv_budget_bytes="auto", memory_fraction=1.0, kv_bits=bits, kv_group_size=group_size)
     built = time.perf_counter() - start
     engine.generate([prompt_of(3000, vocab)], SamplingParams(max_tokens=8, ignore_eos=True))
     capacity = engine.max_blocks - 1
@@ -139,8 +141,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--limit-gib", type=float, default=16.0)
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--skip-largest", action="store_true", help="only the 128K and 8K runs")
-    parser.add_argument("--mlx-lm-lengths", type=int, nargs="+", default=[16384, 24576, 32768, 40960, 49152])
+    parser.add_argument("--part", choices=["long", "largest"], help="only the long-prompt or largest-context rows")
+    parser.add_argument("--mlx-lm-lengths", type=int, nargs="*", default=[16384, 24576, 32768, 40960, 49152])
+    parser.add_argument("--bits", nargs="+", default=["bf16", "4", "8"], help="the engine's K/V for the largest context")
+    parser.add_argument("--kv-group-size", type=int, default=64)
     parser.add_argument("--long", type=int, default=131072, help="the long prompt's tokens")
     args = parser.parse_args(argv)
     config = SMALL if args.small else LLAMA_8B
@@ -152,16 +156,17 @@ def main(argv=None):
     mx.set_memory_limit(limit)
     print("| system | context | prefill tok/s | decode tok/s | peak GiB | under the limit |")
     print("|---|---|---|---|---|---|")
-    engine = engine_for(model, 4, limit, vocab)
-    for length in (8192, args.long):
-        row("engine, K/V 4-bit", length, run_engine(engine, length, vocab), limit)
-        print("  ", memory_note(engine))
-    del engine
-    if args.skip_largest:
+    if args.part != "largest":
+        engine = engine_for(model, 4, limit, vocab)
+        for length in (8192, args.long):
+            row("engine, K/V 4-bit", length, run_engine(engine, length, vocab), limit)
+            print("  ", memory_note(engine))
+        del engine
+    if args.part == "long":
         return
     largest = {"mlx-lm": largest_mlx_lm(model, vocab, limit, args.mlx_lm_lengths)}
-    for bits in (None, 8, 4):
-        engine = engine_for(model, bits, limit, vocab)
+    for bits in [None if b == "bf16" else int(b) for b in args.bits]:
+        engine = engine_for(model, bits, limit, vocab, args.kv_group_size)
         length = (engine.max_blocks - 1) * engine.blocks.block_size - NEW_TOKENS - 1
         result = run_engine(engine, length, vocab)
         row(f"engine, K/V {bits or 'bf16'}", length, result, limit)

@@ -111,10 +111,50 @@ def test_a_prefill_chunk_over_a_long_context_goes_in_tiles_and_gives_mlx_lm_s_to
     monkeypatch.setattr(portable, "tiled_prefill_attention", lambda *a: tiled.append(a[-1]) or real(*a))
     model = tiny_model("llama")
     prompt = random_prompts([300], seed=4)[0]
-    engine = Engine(model, max_num_batched_tokens=64)
+    engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")  # fused ones serve short chunks as rows
     out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
     assert tiled and max(tiled) < 300
     assert out.token_ids == reference(model, prompt, 8)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_prefill_by_groups_of_heads_and_by_tiles_agree(bits):
+    """The fused-attention route, gathering the context for 1, 2 or all 4 KV heads at a time, and the
+    tiled route give the same attention over a paged, possibly quantized, context."""
+    k_pool, v_pool, tables, lens = pools_and_tables(16, 4, 64)
+    if bits:
+        k_pool, v_pool = quantized_pool(k_pool, bits, 64), quantized_pool(v_pool, bits, 64)
+    queries = mx.random.normal((20, 8, 1, 64), key=mx.random.key(7))
+    context = int(lens[2])
+    args = (queries, k_pool, v_pool, tables[2], context, 0.125)
+    want = portable.tiled_prefill_attention(*args, 32)
+    for heads in (1, 2, 4):
+        got = portable.grouped_prefill_attention(*args, heads)
+        assert mx.allclose(got, want, atol=1e-5).item(), heads
+
+
+def test_where_attention_runs_fused_the_context_is_gathered_a_few_heads_at_a_time(monkeypatch):
+    """With MLX's fused attention (stood in for by its CPU path) and a bound that holds one KV head's
+    context, prefill chunks gather one head at a time; the tokens stay mlx-lm's."""
+    model = tiny_model("llama")  # 2 KV heads of 32
+    prompt = random_prompts([300], seed=4)[0]
+    bound = 300 * 2 * 2 * 32 * 4  # one head's K and V over the prompt, twice, in float32
+    monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", bound)
+    monkeypatch.setattr(portable, "fused_prefill", lambda n, k_pool, v_pool: n > 8)
+    groups = []
+    real = portable.grouped_prefill_attention
+    monkeypatch.setattr(portable, "grouped_prefill_attention", lambda *a: groups.append(a[-1]) or real(*a))
+    engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")
+    out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
+    assert 1 in groups and 2 in groups  # short contexts: both heads at once; long ones: one at a time
+    assert out.token_ids == reference(model, prompt, 8)
+
+
+def test_fused_prefill_is_only_taken_on_a_gpu():
+    k_pool = mx.zeros((4, 2, 16, 128), mx.bfloat16)
+    assert portable.fused_prefill(64, k_pool, k_pool) == (mx.default_device() == mx.gpu)
+    assert not portable.fused_prefill(64, k_pool.astype(mx.float32), k_pool.astype(mx.float32))  # float32: no
+    assert not portable.fused_prefill(4, k_pool, k_pool)  # a few queries go through MLX's vector kernel
 
 
 def test_tiled_prefill_memory_does_not_grow_with_the_context():

@@ -11,6 +11,7 @@ import mlx.core as mx
 from .. import plugins
 from ..kernels import select_kernel
 from ..models.paged_cache import check_model, model_config
+from ..models.quantized_rows import fold_quantized_rows
 from .block_manager import BlockManager
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .interrupts import HeldInterrupts
@@ -72,7 +73,10 @@ class Engine:
     first checks that the paged path gives mlx-lm's logits for this model
     (``engine.model_check``; a ValueError refuses it), once per configuration,
     or across processes with ``verdict_file``. An engine is driven from one
-    thread (MLX streams belong to the thread that made them).
+    thread (MLX streams belong to the thread that made them). It adapts the
+    model in place, with the same results for mlx-lm: attention calls go
+    through a hook that leaves other caches to mlx-lm, and quantized linear
+    layers multiply a step's rows as one matrix (``models.quantized_rows``).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class Engine:
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
         layouts = check_model(model)
+        fold_quantized_rows(model)
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
         self.model = model
         self.tokenizer = tokenizer

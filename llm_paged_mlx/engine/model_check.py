@@ -40,7 +40,7 @@ DECODE_STEPS = 3
 _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the reason for refusing
 _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
-_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py")
+_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py")
 
 
 class _NoVerdict(Exception):

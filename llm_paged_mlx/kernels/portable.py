@@ -2,11 +2,13 @@
 
 Decode rows read K/V through their block tables with ``mx.gather_mm`` over
 (block, kv-head) pairs, so no contiguous copy of the context is made. A prefill
-chunk over a short context gathers it once and runs MLX's fused causal
-attention over it; over a long one it goes tile by tile with an online
-softmax, so its memory stays bounded (``PREFILL_ATTENTION_BYTES``) at any
-context length. Quantized pools (``kernels.quantized``) are read as values:
-decode rows dequantize the blocks they use, prefill chunks one tile at a time.
+chunk gathers its context and runs ``mx.fast.scaled_dot_product_attention``
+over it: on the GPU, where that attention is fused, for as many KV heads at a
+time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, where it computes the
+scores in full, a context longer than one tile goes tile by tile with an
+online softmax. So a chunk's attention memory stays bounded at any context
+length. Quantized pools (``kernels.quantized``) are read as values: decode rows
+dequantize the blocks they use, prefill chunks what they gather.
 """
 
 import mlx.core as mx
@@ -14,10 +16,14 @@ import mlx.core as mx
 from .plan import AttentionPlan
 from .quantized import QuantizedPool, block_values
 
-# About the most a prefill chunk's attention holds at once: its scores over a tile of the context
-# (float32, a few live copies) and that tile's K and V. Chunks over longer contexts go tile by tile.
+# About the most a prefill chunk's attention holds at once: the context gathered for a group of KV
+# heads (fused attention), or its scores over a tile of the context (float32, a few live copies) and
+# that tile's K and V.
 PREFILL_ATTENTION_BYTES = 1 << 30
 SCORE_COPIES = 6
+# Head dimensions and dtypes for which MLX's GPU backends run prefill attention fused (see fused_prefill).
+FUSED_PREFILL_DIMS = (64, 80, 128)
+FUSED_PREFILL_DTYPES = (mx.float16, mx.bfloat16)
 
 
 class PortableKernel:
@@ -50,32 +56,88 @@ class PortableKernel:
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
 
-def gather_context(pool, block_table: mx.array, length: int) -> mx.array:
-    """The first ``length`` tokens a block table points at, as values ``(1, H, length, D)``."""
-    _, heads, block_size, dim = pool.shape
-    blocks = block_values(pool, block_table)  # (n, H, bs, D)
-    ctx = blocks.transpose(1, 0, 2, 3).reshape(heads, -1, dim)[:, :length]
-    return mx.contiguous(ctx[None])
+def gather_context(pool, block_table: mx.array, length: int, heads: slice = slice(None)) -> mx.array:
+    """The first ``length`` tokens a block table points at, as values ``(1, H, length, D)`` (of ``heads``)."""
+
+    def view(x):  # (H, num_blocks, bs, D): a view, so the gather below is the one copy
+        return x.swapaxes(0, 1)[heads]
+
+    pool = pool.map(view) if isinstance(pool, QuantizedPool) else view(pool)
+    blocks = block_values(pool, block_table, axis=1)  # (H, n, bs, D)
+    return blocks.reshape(blocks.shape[0], -1, blocks.shape[-1])[None, :, :length]
+
+
+def fused_prefill(num_queries: int, k_pool, v_pool) -> bool:
+    """Whether MLX's fused attention runs this chunk without materializing its scores.
+
+    MLX's Metal and CUDA backends do for more than 8 queries at these head
+    dimensions and dtypes (Metal's full-attention kernel, cuDNN's flash
+    attention); the CPU, and other shapes, compute the scores in full.
+    """
+    dim = k_pool.shape[-1]
+    return (
+        mx.default_device() == mx.gpu
+        and num_queries > 8
+        and dim in FUSED_PREFILL_DIMS
+        and v_pool.shape[-1] == dim
+        and v_pool.dtype in FUSED_PREFILL_DTYPES
+    )
+
+
+def context_bytes(k_pool, v_pool) -> int:
+    """Bytes one KV head's gathered K and V take per context token (twice the values, for a copy MLX may make)."""
+    per_value = 2 * v_pool.dtype.size
+    packed = sum(p.data.dtype.size * p.data.shape[-1] + 2 * p.scales.shape[-1] * p.dtype.size
+                 for p in (k_pool, v_pool) if isinstance(p, QuantizedPool))
+    return (k_pool.shape[-1] + v_pool.shape[-1]) * per_value + packed
 
 
 def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
     """Context tokens per tile for a chunk of ``num_queries`` queries: a multiple of the block size."""
     _, kv_heads, block_size, dim = k_pool.shape
-    per_token = num_queries * q_heads * 4 * SCORE_COPIES + kv_heads * (dim + v_pool.shape[-1]) * v_pool.dtype.size
+    per_token = num_queries * q_heads * 4 * SCORE_COPIES + kv_heads * context_bytes(k_pool, v_pool)
     return max(1, PREFILL_ATTENTION_BYTES // per_token // block_size) * block_size
 
 
 def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale):
-    """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence."""
+    """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence.
+
+    Where MLX's fused attention applies, the context is gathered for as many
+    KV heads at a time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, a context
+    longer than one tile goes tile by tile.
+    """
     n, q_heads = queries.shape[:2]
+    kv_heads = k_pool.shape[1]
+    if fused_prefill(n, k_pool, v_pool):
+        heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (context_len * context_bytes(k_pool, v_pool)))
+        if heads:
+            return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads)
     tile = prefill_tile(n, q_heads, k_pool, v_pool)
     if context_len > tile:
         return tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile)
-    k = gather_context(k_pool, block_table, context_len)
-    v = gather_context(v_pool, block_table, context_len)
-    q = queries.swapaxes(0, 2)  # (1, Hq, n, D)
-    mask = "causal" if q.shape[2] > 1 else None
-    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+    return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, kv_heads)
+
+
+def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads: int):
+    """``prefill_attention`` with the whole context gathered, ``heads`` KV heads at a time.
+
+    Each group is evaluated before the next is gathered, so only one group's
+    context is held at once.
+    """
+    n, q_heads = queries.shape[:2]
+    kv_heads = k_pool.shape[1]
+    rep = q_heads // kv_heads
+    mask = "causal" if n > 1 else None
+    parts = []
+    for first in range(0, kv_heads, heads):
+        group = slice(first, min(first + heads, kv_heads))
+        k = gather_context(k_pool, block_table, context_len, group)
+        v = gather_context(v_pool, block_table, context_len, group)
+        q = queries[:, group.start * rep : group.stop * rep].swapaxes(0, 2)  # (1, Hq of the group, n, D)
+        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+        if heads < kv_heads:
+            mx.eval(parts[-1])
+    out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return out.swapaxes(0, 2)
 
 

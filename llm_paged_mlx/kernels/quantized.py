@@ -49,9 +49,9 @@ class QuantizedPool:
     def dtype(self) -> mx.Dtype:
         return self.scales.dtype
 
-    def take(self, blocks: mx.array) -> "QuantizedPool":
-        """The given blocks (any index array), still quantized."""
-        return QuantizedPool(self.data[blocks], self.scales[blocks], self.biases[blocks], self.bits, self.group_size)
+    def map(self, f) -> "QuantizedPool":
+        """``f`` (a take, a view) applied to the values, scales and biases alike: still quantized."""
+        return QuantizedPool(f(self.data), f(self.scales), f(self.biases), self.bits, self.group_size)
 
     def dequantize(self, dtype=None) -> mx.array:
         """The values, of shape ``self.shape``, in ``dtype`` (default: the pool's)."""
@@ -59,9 +59,10 @@ class QuantizedPool:
         return out if dtype is None else out.astype(dtype)
 
 
-def block_values(pool, blocks: mx.array, dtype=None) -> mx.array:
-    """The given blocks of a pool (quantized or not) as values, in ``dtype`` (default: the pool's)."""
+def block_values(pool, blocks: mx.array, dtype=None, axis: int = 0) -> mx.array:
+    """The given blocks (indices along ``axis``) of a pool, quantized or not, as values in ``dtype``
+    (default: the pool's)."""
     if isinstance(pool, QuantizedPool):
-        return pool.take(blocks).dequantize(dtype)
-    taken = pool[blocks]
+        return pool.map(lambda x: mx.take(x, blocks, axis=axis)).dequantize(dtype)
+    taken = mx.take(pool, blocks, axis=axis)
     return taken if dtype is None else taken.astype(dtype)
