@@ -13,7 +13,7 @@ import threading
 import mlx.core as mx
 import numpy as np
 import pytest
-from faults import Fault
+from faults import Fault, run_through_faults
 from models import tiny_model
 from test_engine import collect, random_prompts
 
@@ -228,16 +228,9 @@ def test_a_failed_step_releases_the_file_it_swapped_out_to(tmp_path):
         return forward(*args, **kwargs)
 
     engine.runner.forward = forward_failing_after_a_swap_out
-    prompts, params = random_prompts(LENGTHS), SamplingParams(max_tokens=MAX_TOKENS)
-    ids = [engine.add_request(p, params) for p in prompts]
-    outputs = {}
-    while engine.has_unfinished():
-        try:
-            collect(engine.step(), outputs)
-        except Fault:
-            continue
+    tokens = run_through_faults(engine, random_prompts(LENGTHS), SamplingParams(max_tokens=MAX_TOKENS))
     assert len(failed) == 2 and recorder.discarded == recorder.handles
-    assert [outputs[i] for i in ids] == expected("fp32", None)
+    assert tokens == expected("fp32", None)
     assert_no_files(recorder.policy)
 
 
@@ -250,21 +243,17 @@ def test_a_swap_file_damaged_on_disk_fails_one_step_then_its_request_is_computed
     def swap_in_of_a_damaged_file(handle, blocks, runner):
         if not errors and handle.arrays is None:
             os.truncate(handle.path, 10)
-        return real_swap_in(handle, blocks, runner)
+        try:
+            return real_swap_in(handle, blocks, runner)
+        except RuntimeError as e:
+            errors.append(str(e))
+            raise
 
     engine.swap.swap_in = swap_in_of_a_damaged_file
     prompts, params = random_prompts(LENGTHS), SamplingParams(max_tokens=MAX_TOKENS)
-    ids = [engine.add_request(p, params) for p in prompts]
-    outputs = {}
-    while engine.has_unfinished():
-        try:
-            collect(engine.step(), outputs)
-        except RuntimeError as e:
-            errors.append(str(e))
-            if len(errors) > 3:
-                break  # the same step fails again and again
+    tokens = run_through_faults(engine, prompts, params, (RuntimeError,), max_failures=3)
     assert len(errors) == 1 and "holds 10 bytes" in errors[0]
-    assert [outputs[i] for i in ids] == expected("fp32", None)
+    assert tokens == expected("fp32", None)
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
     assert_no_files(policy)
 
