@@ -205,3 +205,33 @@ def test_a_failed_step_that_overwrote_cached_blocks_takes_them_out_of_the_cache(
     assert out.token_ids == reference(model, first, 6)
     assert engine.generate([second], params)[0].token_ids == reference(model, second, 6)
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt])
+def test_a_prefill_failing_between_its_groups_of_heads_is_undone(error, monkeypatch):
+    """Where attention runs fused, long prefill chunks gather their context a KV head at a time and
+    evaluate each head before the next; failing between two heads undoes the step."""
+    from llm_paged_mlx.kernels import portable
+
+    model, prompts, expected = workload()  # qwen3: 2 KV heads of 32, float32
+    monkeypatch.setattr(portable, "fused_prefill", lambda n, k_pool, v_pool: n > 8)
+    # Contexts up to 150 tokens gather both heads at once, up to 300 one at a time, longer ones go in tiles.
+    monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 300 * (32 + 32) * 2 * 4)
+    engine = small_engine(model)  # its model check runs the fused route too: faults come after it
+    second_head = []  # failures injected while gathering a second KV head's context
+    gather, calls = portable.gather_context, []
+
+    def gather_failing_at_a_second_head(pool, block_table, length, heads=slice(None)):
+        if heads.start == 1:  # the first head's attention has been evaluated by now
+            calls.append(length)
+            if len(calls) in (1, 4, 8):
+                second_head.append(length)
+                raise error(f"gather of the second head failed (call {len(calls)})")
+        return gather(pool, block_table, length, heads)
+
+    monkeypatch.setattr(portable, "gather_context", gather_failing_at_a_second_head)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (error,))
+    assert len(second_head) == 3
+    for prompt, tokens, want in zip(prompts, got, expected):
+        assert tokens == want, f"prompt of {len(prompt)} tokens"
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
