@@ -1,4 +1,4 @@
-"""The ``llm paged-mlx`` commands: register, list, import and remove the plugin's models."""
+"""The ``llm paged-mlx`` commands: register, list, import and remove the plugin's models; serve one over HTTP."""
 
 import shutil
 from pathlib import Path
@@ -6,7 +6,10 @@ from pathlib import Path
 import click
 import llm
 
-from .plugin import BUILTIN_MODELS, fetch_smollm2, one_line, plugin_dir, user_models
+from .catalog import BUILTIN_MODELS, builtin_models, fetch_smollm2, imported_dir, kv_disk_dir, registered_models, user_models
+from .engines import ModelLoadError
+from .errors import one_line
+from .options import parse_size
 from .user_models import check_name, check_source
 
 
@@ -60,7 +63,7 @@ def remove(name):
         from .user_models import imported_folder
 
         try:  # only the folder import-gguf made for this name: never a sibling's, nor the imported dir
-            shutil.rmtree(imported_folder(_imported_dir(), name, entry["source"]), ignore_errors=True)
+            shutil.rmtree(imported_folder(imported_dir(), name, entry["source"]), ignore_errors=True)
         except ValueError as e:
             click.echo(f"{entry['source']} not deleted: {e}")
     click.echo(f"Removed {name}")
@@ -74,7 +77,7 @@ def import_gguf(gguf_file, name):
     from .models.gguf import convert_gguf
 
     name = name or gguf_file.name.removesuffix(".gguf")
-    target = _imported_dir() / name
+    target = imported_dir() / name
     try:
         if not gguf_file.is_file():
             raise ValueError(f"{gguf_file} is not a file")
@@ -103,16 +106,78 @@ def fetch_default():
         raise click.ClickException(one_line(e))
 
 
-def _imported_dir() -> Path:
-    return plugin_dir() / "imported"
-
-
 def _check_unused(name: str) -> None:
     """ValueError if ``name`` is already a model id or alias in llm."""
     check_name(name)
     for found in llm.get_models_with_aliases():
         if name == found.model.model_id or name in found.aliases:
             raise ValueError(f"{name} is already a model id or alias in llm; pick another with --alias")
+
+
+API_KEY_ENV = "LLM_PAGED_MLX_API_KEY"
+LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@paged_mlx.command()
+@click.argument("model_id")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on")
+@click.option("--api-key", envvar=API_KEY_ENV, help=f"Require this bearer token on /v1 (or set ${API_KEY_ENV})")
+@click.option("options", "-o", "--option", type=(str, str), multiple=True,
+              help="A model option, e.g. -o kv_budget 4GB; sampling options set request defaults")
+@click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(1),
+              help="Requests that may wait for the engine; more get 503")
+@click.option("--max-body", default="32MB", show_default=True, help="Largest request body")
+def serve(model_id, host, port, api_key, options, max_waiting, max_body):
+    "Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)"
+    from .server import run
+
+    try:
+        served = _served_model(model_id, dict(options), max_waiting)
+        max_body_bytes = parse_size(max_body)
+    except (ValueError, ModelLoadError) as e:
+        raise click.ClickException(one_line(e))
+    if host not in LOCAL_HOSTS and not api_key:
+        click.echo(f"Warning: serving on {host} without an API key: anyone who can reach this port can use the model. "
+                   f"Set one with --api-key or ${API_KEY_ENV}.", err=True)
+    click.echo(f"Serving {served.model_id} on http://{host}:{port}/v1", err=True)
+    run(served, host, port, api_key=api_key or None, max_body_bytes=max_body_bytes)
+
+
+def _served_model(name: str, options: dict, max_waiting: int):
+    """The model ``name`` names (a model id or alias of this plugin's, or an mlx-lm model folder), loaded."""
+    from pydantic import ValidationError
+
+    from .engines import engine_loop
+    from .options import PagedOptions, engine_options, sampling_params
+    from .server import ServedModel
+
+    model_id, aliases = name, []
+    for found in llm.get_models_with_aliases():
+        if name == found.model.model_id or name in found.aliases:
+            model_id, aliases = found.model.model_id, found.aliases
+    ours = {**builtin_models(), **registered_models()}
+    if model_id in ours:
+        source, fetch = ours[model_id]
+    elif aliases or model_id in {m.model_id for m in llm.get_models()}:
+        raise ValueError(f"{name} is not an llm-paged-mlx model (see: llm paged-mlx list)")
+    elif (Path(name) / "config.json").is_file():
+        model_id, source = Path(name).resolve().name, str(Path(name).resolve())
+        fetch = lambda: source  # noqa: E731
+    else:
+        raise ValueError(f"{name} is neither a model of llm-paged-mlx nor a model folder (see: llm paged-mlx list)")
+    try:
+        parsed = PagedOptions(**options)
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ValueError(f"option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    defaults = {k: v for k, v in vars(sampling_params(parsed)).items() if k in options or k == "max_tokens"}
+    loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting)
+    config = engine_options(parsed)
+    click.echo(f"Loading {model_id}...", err=True)
+    loop.prepare(config).result()
+    context = loop.engine.max_context or loop.engine.max_blocks * loop.engine.blocks.block_size
+    return ServedModel(model_id, loop, config, tuple(a for a in aliases if a != model_id), defaults, context)
 
 
 @paged_mlx.group()
@@ -124,7 +189,6 @@ def cache():
 def cache_info():
     "Show the KV disk cache's size, blocks per model and hit counts"
     from .engine.disk.admin import directory_info
-    from .plugin import kv_disk_dir
 
     info = directory_info(kv_disk_dir())
     click.echo(f"{info['directory']}: {info['blocks']} blocks, {info['size_bytes'] / 1e6:.1f} MB")
@@ -139,7 +203,6 @@ def cache_info():
 def cache_clear():
     "Delete every cached KV block"
     from .engine.disk.admin import clear_directory
-    from .plugin import kv_disk_dir
 
     try:
         removed = clear_directory(kv_disk_dir())

@@ -18,7 +18,7 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from smollm2 import smollm2_dir
 
-from llm_paged_mlx import plugin
+from llm_paged_mlx.catalog import CACHE_ENV
 from llm_paged_mlx.files import TEMP_PREFIX
 from llm_paged_mlx.models.loading import load_model
 
@@ -28,7 +28,7 @@ LLM = Path(sys.executable).parent / "llm"
 
 def start_llm(user_dir: Path, *args) -> subprocess.Popen:
     """``llm -m paged-smollm2 ...`` in a process of its own; a small K/V pool keeps start-up short."""
-    env = {**os.environ, "LLM_USER_PATH": str(user_dir), plugin.CACHE_ENV: str(smollm2_dir().parent)}
+    env = {**os.environ, "LLM_USER_PATH": str(user_dir), CACHE_ENV: str(smollm2_dir().parent)}
     command = [LLM, "-m", "paged-smollm2", "-o", "kv_budget", "32MB", *map(str, args)]
     return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 

@@ -4,6 +4,7 @@ The model is SmolLM2-135M-Instruct (tests/smollm2.py), compared token for token 
 mlx-lm's own greedy generation on the same weights dequantized the same way.
 """
 
+import asyncio
 import contextlib
 import functools
 import json
@@ -13,8 +14,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 
+import llm
 import mlx_lm
 import pytest
 from click.testing import CliRunner
@@ -23,7 +26,8 @@ from mlx_lm.generate import stream_generate
 from mlx_lm.sample_utils import make_sampler
 from smollm2 import smollm2_dir
 
-from llm_paged_mlx import plugin
+from llm_paged_mlx import catalog, chat, engines
+from llm_paged_mlx.options import parse_size
 from llm_paged_mlx.models import default_model
 from llm_paged_mlx.models.loading import load_model
 
@@ -34,7 +38,7 @@ FRANCE = "What is the capital of France?"
 def user_dir(tmp_path, monkeypatch):
     """llm's user dir in a temp folder; paged-smollm2 comes from the shared test cache."""
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
-    monkeypatch.setenv(plugin.CACHE_ENV, str(smollm2_dir().parent))
+    monkeypatch.setenv(catalog.CACHE_ENV, str(smollm2_dir().parent))
     return tmp_path / "llm"
 
 
@@ -80,14 +84,14 @@ def last_log() -> dict:
 def seen_prompts(monkeypatch):
     """The text of every prompt the plugin renders, as the model sees it."""
     seen = []
-    render = plugin.render_prompt
+    render = chat.render_prompt
 
     def spy(tokenizer, messages):
         token_ids = render(tokenizer, messages)
         seen.append(tokenizer.decode(token_ids))
         return token_ids
 
-    monkeypatch.setattr(plugin, "render_prompt", spy)
+    monkeypatch.setattr(chat, "render_prompt", spy)
     return seen
 
 
@@ -117,6 +121,31 @@ def test_async_gives_the_same_text(user_dir):
     assert last_log()["output_tokens"] == 24
 
 
+def test_concurrent_async_prompts_share_the_engine(user_dir):
+    """Four prompts under asyncio.gather take well under four times one prompt: they share steps."""
+    model = llm.get_async_model("paged-smollm2")
+    questions = ["Tell me about Paris.", "Write a poem about the sea.", "Explain how rain forms.", "Describe a cat."]
+
+    async def ask(question):
+        response = model.prompt(question, max_tokens=32, prefix_cache=False)
+        return await response.text(), (await response.usage()).output
+
+    async def timed(questions):
+        start = time.perf_counter()
+        answers = await asyncio.gather(*(ask(q) for q in questions))
+        return time.perf_counter() - start, answers
+
+    async def main():
+        await ask(FRANCE)  # loads the model
+        return await timed(questions[:1]), await timed(questions)
+
+    (one, [single]), (four, answers) = asyncio.run(main())
+    assert answers[0] == single
+    for question, (text, tokens) in zip(questions, answers):
+        assert text == mlx_lm_answer(smollm2_dir(), question, 32) and tokens == 32  # as many tokens as the one
+    assert four < 2.5 * one, (one, four)
+
+
 def test_usage_and_metrics_are_logged(user_dir):
     ok("-m", "paged-smollm2", "-o", "max_tokens", 16, FRANCE)
     log = last_log()
@@ -144,12 +173,12 @@ def test_chat_and_continue_carry_the_history_once(user_dir, seen_prompts):
 
 
 def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts):
-    plugin._ENGINES.clear()  # an engine of an earlier test writes to that test's user dir
+    engines.stop_all()  # an engine of an earlier test writes to that test's user dir
     first = ok("-m", "paged-smollm2", "-o", "max_tokens", 16, FRANCE)
-    for cache in plugin._DISK_CACHES.values():
+    for cache in engines._DISK_CACHES.values():
         cache.flush()
     assert "blocks" in ok("paged-mlx", "cache", "info") and (user_dir / "paged-mlx" / "kv-cache").is_dir()
-    plugin._ENGINES.clear()  # what a new `llm -c` process starts with: no engine, no memory cache
+    engines.stop_all()  # as at the process's exit: the disk tier is closed, and `llm -c` starts anew
     follow_up = ok("-c", "-o", "max_tokens", 16, "And of Germany?")
     metrics = last_log()["response_json"]
     assert metrics["disk_cache_hit_tokens"] >= 16 and metrics["prefix_cache_hit_tokens"] >= 16
@@ -157,8 +186,7 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     prompt = tokenizer.encode(seen_prompts[-1], add_special_tokens=False)
     expected = "".join(r.text for r in stream_generate(model, tokenizer, prompt, max_tokens=16, sampler=make_sampler(temp=0.0)))
     assert follow_up == expected + "\n" and first.strip()
-    for cache in plugin._DISK_CACHES.values():
-        cache.close()  # as at the exit of the `llm -c` process
+    engines.stop_all()  # as at the exit of the `llm -c` process
     assert f"{metrics['disk_cache_hit_tokens'] // 16} blocks reused" in ok("paged-mlx", "cache", "info")
     assert ok("paged-mlx", "cache", "clear").startswith("Removed ")
     assert "0 blocks" in ok("paged-mlx", "cache", "info")
@@ -186,12 +214,12 @@ def test_bad_options_are_clean_errors(user_dir, option, value, words):
 
 
 def test_sizes():
-    assert plugin.parse_size(1000) == 1000
-    assert plugin.parse_size("512MB") == 512 * 1024**2
-    assert plugin.parse_size("2GB") == plugin.parse_size("2 GiB") == plugin.parse_size("2g") == 2 * 1024**3
-    assert plugin.parse_size("1.5K") == 1536
+    assert parse_size(1000) == 1000
+    assert parse_size("512MB") == 512 * 1024**2
+    assert parse_size("2GB") == parse_size("2 GiB") == parse_size("2g") == 2 * 1024**3
+    assert parse_size("1.5K") == 1536
     with pytest.raises(ValueError):
-        plugin.parse_size("2 parsecs")
+        parse_size("2 parsecs")
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -215,7 +243,7 @@ def test_unknown_model_is_a_clean_error(user_dir):
 
 def run_process(tmp_path, *command, **env) -> subprocess.CompletedProcess:
     """A command of the venv in a process of its own, with a temporary llm user dir."""
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), plugin.CACHE_ENV: str(smollm2_dir().parent),
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), catalog.CACHE_ENV: str(smollm2_dir().parent),
            **{name: str(value) for name, value in env.items()}}
     command = [Path(sys.executable).parent / command[0], *map(str, command[1:])]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
@@ -353,7 +381,7 @@ def imported_entry(user_dir, name, source) -> Path:
     """Register ``source`` as if import-gguf had made it; returns the imported dir."""
     imported = user_dir / "paged-mlx" / "imported"
     imported.mkdir(parents=True, exist_ok=True)
-    plugin.user_models().add(name, {"source": str(source), "gguf": "/files/model.gguf"})
+    catalog.user_models().add(name, {"source": str(source), "gguf": "/files/model.gguf"})
     return imported
 
 
@@ -365,7 +393,7 @@ def test_remove_deletes_nothing_outside_the_imported_dir(user_dir):
     output = ok("paged-mlx", "remove", "up")
     assert (imported / "other").is_dir() and (user_dir / "paged-mlx" / "kv-cache").is_dir()
     assert "not deleted" in output and output.endswith("Removed up\n")
-    assert "up" not in plugin.user_models().load()
+    assert "up" not in catalog.user_models().load()
 
 
 def test_remove_does_not_follow_a_symlink_out_of_the_imported_dir(user_dir, tmp_path):
@@ -377,7 +405,7 @@ def test_remove_does_not_follow_a_symlink_out_of_the_imported_dir(user_dir, tmp_
     (imported / "escape").symlink_to(outside, target_is_directory=True)
     output = ok("paged-mlx", "remove", "escape")
     assert (outside / "keep.txt").read_text() == "mine" and "not deleted" in output
-    assert "escape" not in plugin.user_models().load()
+    assert "escape" not in catalog.user_models().load()
 
 
 def test_remove_deletes_an_imported_folder_reached_through_a_symlinked_user_dir(user_dir, tmp_path):
@@ -407,7 +435,7 @@ def test_remove_deletes_only_the_folder_import_gguf_made_for_that_name(user_dir,
     output = ok("paged-mlx", "remove", "a")
     assert (imported / "b" / "config.json").is_file()
     assert f"{source} not deleted: it is not {imported.resolve() / 'a'}" in output and output.endswith("Removed a\n")
-    assert "a" not in plugin.user_models().load()
+    assert "a" not in catalog.user_models().load()
 
 
 def _lock_held(kv_cache: Path, monkeypatch):

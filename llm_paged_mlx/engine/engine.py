@@ -17,10 +17,10 @@ from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_reserve
 from .model_check import check_against_mlx_lm
-from .output import OutputText, RequestOutput, StreamChunk
+from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, projects_sampled_rows_only
-from .sampler import sample
+from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
 Prompt = Union[str, Sequence[int]]
@@ -32,12 +32,21 @@ INITIAL_POOL_BYTES = 128 * 1024**2
 
 @dataclass
 class _Built:
-    """A step built (lazy arrays): its chunks, who it samples and their tokens, who it fills a block for."""
+    """A step built (lazy arrays): its chunks, who it samples, their tokens and log-probabilities, who it fills
+    a block for."""
 
     chunks: list[ScheduledChunk]
     sampled: list[Request]
     tokens: Optional[mx.array]
+    logprobs: Optional[StepLogprobs]
     filled: list[Request]
+
+    def outputs(self) -> list[mx.array]:
+        """The arrays the host reads once the step has run."""
+        if not self.sampled:
+            return []
+        extra = self.logprobs and [self.logprobs.sampled, self.logprobs.top_ids, self.logprobs.top_values]
+        return [self.tokens, *(a for a in extra or [] if a is not None)]
 
 
 class _DeviceFailure(Exception):
@@ -213,6 +222,8 @@ class Engine:
         last = self._finish(request, "abort", [])
         for chunk in reversed(unreturned):
             last.token_ids = chunk.token_ids + last.token_ids
+            if chunk.logprobs is not None:
+                last.logprobs = chunk.logprobs + (last.logprobs or [])
             if chunk.text is not None:
                 last.text = chunk.text + last.text
         return last
@@ -255,9 +266,9 @@ class Engine:
                 if self._can_run_ahead(launched):  # the next step is built before this one is read
                     self._run_ahead(launched)
                     return
-                tokens = self._wait(launched)
+                read = self._wait(launched)
                 self._in_flight = None
-                self._apply(launched, tokens)
+                self._apply(launched, *read)
             self._grow_pool()
             built = self._transaction(self._plan)
             if built is not None:
@@ -377,20 +388,22 @@ class Engine:
         logits = self.runner.forward(chunks, input_tokens)
         sampled = [c.request for c in chunks if c.completes]
         tokens = sample(logits, sampled) if sampled else None
+        step_logprobs = logprobs(logits, tokens, sampled) if sampled else None
         size = self.blocks.block_size
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
-        return _Built(chunks, sampled, tokens, filled)
+        return _Built(chunks, sampled, tokens, step_logprobs, filled)
 
     def _launch(self, step: _Built) -> None:
         """Start a built step on the device; nothing waits for it."""
         self._in_flight = step
         try:
-            self.runner.launch(*([step.tokens] if step.sampled else []))
+            self.runner.launch(*step.outputs())
         except Exception as e:
             raise _DeviceFailure() from e
 
-    def _wait(self, launched: _Built) -> list[int]:
-        """Wait for a launched step to end; its sampled tokens. Nothing changes if it is interrupted.
+    def _wait(self, launched: _Built) -> tuple[list[int], dict[int, TokenLogprob]]:
+        """Wait for a launched step to end; its sampled tokens, and their log-probabilities by row for the
+        requests that asked for them. Nothing changes if it is interrupted.
 
         A GPU backend holds a step's input buffers until its completion handler
         runs, shortly after the step ends; a pool still held then would make the
@@ -399,18 +412,36 @@ class Engine:
         with self._interrupts.allowed():
             try:
                 mx.synchronize()
-                return launched.tokens.tolist() if launched.sampled else []
+                tokens = launched.tokens.tolist() if launched.sampled else []
+                return tokens, self._read_logprobs(launched, tokens)
             except Exception as e:
                 raise _DeviceFailure() from e
 
-    def _apply(self, launched: _Built, tokens: list[int]) -> None:
+    @staticmethod
+    def _read_logprobs(launched: _Built, tokens: list[int]) -> dict[int, TokenLogprob]:
+        step = launched.logprobs
+        if step is None:
+            return {}
+        sampled = step.sampled.tolist()
+        top_ids = step.top_ids.tolist() if step.top_ids is not None else [[]] * len(step.rows)
+        top_values = step.top_values.tolist() if step.top_values is not None else [[]] * len(step.rows)
+        read = {}
+        for i, row in enumerate(step.rows):
+            wanted = launched.sampled[row].params.logprobs
+            top = sorted(zip(top_ids[i], top_values[i]), key=lambda pair: -pair[1])[:wanted]
+            read[row] = TokenLogprob(tokens[row], sampled[i], top)
+        return read
+
+    def _apply(self, launched: _Built, tokens: list[int], token_logprobs: dict[int, TokenLogprob]) -> None:
         """Hand a finished step's tokens to their requests (chunks to ``_ready``), cache the blocks it filled."""
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
                 self.blocks.cache_full_blocks(request.blocks, request.token_ids, request.num_computed)
-        for request, token in zip(launched.sampled, tokens):
+        for row, (request, token) in enumerate(zip(launched.sampled, tokens)):
             if not request.finished:
                 chunk = self._append(request, token)
+                if chunk.token_ids and row in token_logprobs:
+                    chunk.logprobs = [token_logprobs[row]]
                 self._ready.append(chunk)
                 if chunk.request_id in self.outbox:  # kept for stream() and generate() as it is read
                     self.outbox[chunk.request_id].append(chunk)
@@ -443,7 +474,7 @@ class Engine:
         wait is interrupted, the step built ahead is undone and the next call
         reads the launched step again.
         """
-        read: list[list[int]] = []  # the launched step's tokens, once waited for
+        read: list[tuple] = []  # the launched step's tokens and log-probabilities, once waited for
 
         def plan_and_wait(handles: _SwapHandles) -> _Built:
             for request in launched.sampled:
@@ -464,7 +495,7 @@ class Engine:
 
         ahead = self._transaction(plan_and_wait)
         self._in_flight = None
-        self._apply(launched, read[0])
+        self._apply(launched, *read[0])
         self._launch(ahead)
 
     def _discard(self, handle) -> None:
@@ -583,6 +614,7 @@ class Engine:
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
+            "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "disk_cache_hit_tokens": self.scheduler.disk_hit_tokens,
             "attention_kernel": self.kernel.name,
@@ -611,6 +643,8 @@ class Engine:
     @staticmethod
     def _fold(output: RequestOutput, chunk: StreamChunk) -> None:
         output.token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            output.logprobs = (output.logprobs or []) + chunk.logprobs
         if chunk.text is not None:
             output.text += chunk.text
         output.finish_reason = chunk.finish_reason

@@ -5,6 +5,15 @@ from typing import Optional
 
 
 @dataclass
+class TokenLogprob:
+    """A generated token's log-probability, and the most likely tokens' at its position (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class StreamChunk:
     """What one step added to a request: new token ids and new text."""
 
@@ -14,6 +23,7 @@ class StreamChunk:
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" once finished
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when finished)
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, if the request asked for them
 
 
 @dataclass
@@ -25,6 +35,7 @@ class RequestOutput:
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
+    logprobs: Optional[list[TokenLogprob]] = None  # one per token id, if the request asked for them
 
 
 class OutputText:

@@ -9,11 +9,16 @@ from typing import Optional
 from .block_manager import SequenceBlocks
 
 _arrivals = itertools.count()
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one request. Temperature 0 is greedy; a smaller ``priority`` is served first."""
+    """How to sample one request. Temperature 0 is greedy; a smaller ``priority`` is served first.
+
+    ``logprobs``: report each generated token's log-probability and those of the
+    ``logprobs`` most likely tokens (0 to ``MAX_LOGPROBS``; None: none).
+    """
 
     max_tokens: int = 256
     temperature: float = 0.0
@@ -25,6 +30,7 @@ class SamplingParams:
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     priority: int = 0
+    logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -41,6 +47,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.stop and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 
 
 class Status(enum.Enum):

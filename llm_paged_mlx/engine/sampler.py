@@ -3,13 +3,28 @@
 Greedy rows share one argmax. A sampled row applies mlx-lm's top-p, min-p and
 top-k filters; a seeded request draws with a key made from its seed and the
 number of tokens it has generated, so its tokens do not depend on what else is
-in the batch.
+in the batch. Log-probabilities, for the requests that ask for them, are the
+model's (before temperature and filters), as OpenAI's API reports them.
 """
+
+from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from .request import Request
+
+
+@dataclass
+class StepLogprobs:
+    """Log-probabilities a step computed (lazy until read): for ``requests[i]`` of each of ``rows``, the
+    sampled token's, and the ``k`` most likely tokens' ids and values (``k``: the most any of them asks)."""
+
+    rows: list[int]
+    sampled: mx.array
+    top_ids: Optional[mx.array]
+    top_values: Optional[mx.array]
 
 
 def sample(logits: mx.array, requests: list[Request]) -> mx.array:
@@ -40,3 +55,19 @@ def _sample_row(logits: mx.array, request: Request) -> mx.array:
     if p.seed is not None:
         key = mx.random.key((p.seed * 1_000_003 + len(request.output_token_ids)) % 2**64)
     return mx.random.categorical(logprobs * (1 / p.temperature), key=key)
+
+
+def logprobs(logits: mx.array, tokens: mx.array, requests: list[Request]) -> Optional[StepLogprobs]:
+    """The log-probabilities the requests in ``requests`` with ``params.logprobs`` set ask for."""
+    rows = [i for i, r in enumerate(requests) if r.params.logprobs is not None]
+    if not rows:
+        return None
+    index = mx.array(rows, dtype=mx.int32)
+    values = logits[index].astype(mx.float32)
+    values = values - mx.logsumexp(values, axis=-1, keepdims=True)
+    sampled = mx.take_along_axis(values, tokens[index].astype(mx.int32)[:, None], axis=-1)[:, 0]
+    k = max(requests[i].params.logprobs for i in rows)
+    if k == 0:
+        return StepLogprobs(rows, sampled, None, None)
+    top_ids = mx.argpartition(-values, k - 1, axis=-1)[:, :k]
+    return StepLogprobs(rows, sampled, top_ids, mx.take_along_axis(values, top_ids, axis=-1))

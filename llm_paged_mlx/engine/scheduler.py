@@ -130,6 +130,7 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0
         self.disk_hit_tokens = 0
         self._saved: Optional[tuple] = None
@@ -157,7 +158,7 @@ class Scheduler:
     # -- transactions -------------------------------------------------------------
 
     def begin(self) -> None:
-        counters = (self.num_preemptions, self.prefix_hit_tokens, self.disk_hit_tokens)
+        counters = (self.num_preemptions, self.prefix_query_tokens, self.prefix_hit_tokens, self.disk_hit_tokens)
         self._saved = (list(self.running), list(self.waiting), counters, {})
         self.blocks.begin()
 
@@ -168,7 +169,7 @@ class Scheduler:
     def rollback(self) -> None:
         """Put requests, queues, counters and blocks back as they were at ``begin``."""
         (self.running, self.waiting, counters, requests), self._saved = self._saved, None
-        self.num_preemptions, self.prefix_hit_tokens, self.disk_hit_tokens = counters
+        self.num_preemptions, self.prefix_query_tokens, self.prefix_hit_tokens, self.disk_hit_tokens = counters
         for request, state in requests.values():
             for name, value in zip(_REQUEST_STATE, state):
                 setattr(request, name, value)
@@ -267,6 +268,7 @@ class Scheduler:
             count = min(len(tokens) - start, budget)
             request.num_cached_tokens = max(request.num_cached_tokens, start)
             request.num_disk_cached_tokens = max(request.num_disk_cached_tokens, from_disk)
+            self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
             self.disk_hit_tokens += from_disk
         chunk = ScheduledChunk(request, count, self.blocks.append_slots(seq, start, count))

@@ -1,0 +1,102 @@
+"""The models this process serves: one engine loop per model, its engine built for the options asked, and the
+KV disk tiers the engines share.
+
+llm registers models again on every ``get_model()``, so loops live here at module
+level, keyed by model id and source. mlx and mlx-lm are imported only when a model
+first runs, on its loop's thread.
+"""
+
+import threading
+from pathlib import Path
+from typing import Callable, Optional
+
+from .catalog import kv_disk_dir, plugin_dir
+from .engine.loop import EngineLoop
+from .errors import one_line
+
+
+class ModelLoadError(RuntimeError):
+    """A model could not be loaded or its engine built; the message names the model and the reason."""
+
+
+_LOOPS: dict[tuple[str, str], EngineLoop] = {}
+_LOOPS_LOCK = threading.Lock()
+_DISK_CACHES: dict = {}  # one KVDiskCache per directory, model identity and budget (one writer per directory)
+
+
+def engine_loop(model_id: str, source: str, fetch: Callable[[], str], max_waiting: Optional[int] = None) -> EngineLoop:
+    """The loop that serves ``model_id`` (from ``source``), started if needed.
+
+    Each request's config is its engine options (``options.engine_options``):
+    other options rebuild the engine once the requests before them end, reusing
+    the loaded weights.
+    """
+    with _LOOPS_LOCK:
+        loop = _LOOPS.get((model_id, source))
+        if loop is None or loop.parked.is_set():
+            build = _engine_builder(model_id, fetch)
+            loop = _LOOPS[model_id, source] = EngineLoop(build, max_waiting=max_waiting, on_stop=_close_disk_caches)
+        return loop
+
+
+def stop_all() -> None:
+    """Stop every loop (their requests end with ``LoopStopped``) and forget them; as at the process's exit."""
+    with _LOOPS_LOCK:
+        loops = list(_LOOPS.values())
+        _LOOPS.clear()
+    for loop in loops:
+        loop.stop()
+    _close_disk_caches()
+
+
+def _engine_builder(model_id: str, fetch: Callable[[], str]):
+    def build(options: dict, weights):
+        """The engine for ``options`` (on the loop's thread), with ``weights`` (model, tokenizer) if given."""
+        from .engine.engine import Engine
+        from .models.loading import load_model, resolve_model_path
+
+        try:
+            folder = resolve_model_path(fetch())
+            model, tokenizer = weights or load_model(str(folder))
+            engine_kwargs = dict(options)
+            disk_budget = engine_kwargs.pop("kv_disk_budget")
+            quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
+            disk = None
+            if disk_budget and options["enable_prefix_caching"]:
+                disk = disk_cache(folder, disk_budget, quantization)
+            return Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json", **engine_kwargs)
+        except (ValueError, RuntimeError, OSError) as e:  # ModelFetchError is a RuntimeError
+            raise ModelLoadError(f"{model_id}: {one_line(e)}") from None
+
+    return build
+
+
+def disk_cache(folder: Path, budget: int, kv_quantization=None):
+    """The disk tier for a model folder, keyed by the folder, its files' content, how it was loaded and how
+    K/V are stored (``kv_quantization``: None, or bits and group size)."""
+    import mlx.core as mx
+
+    from .engine.disk.store import KVDiskCache
+    from .models.identity import model_identity
+
+    on_cpu = mx.default_device() == mx.cpu
+    digests = plugin_dir() / "weight-digests.json"  # so a model's weights are hashed once, not at every start
+    settings = {"dequantized": on_cpu, "dtype": "float32" if on_cpu else "as-stored"}
+    if kv_quantization is not None:  # only quantized K/V add to the identity: full-precision files keep theirs
+        settings["kv_bits"], settings["kv_group_size"] = kv_quantization
+    identity = model_identity(folder, digests, **settings)
+    key = (kv_disk_dir(), identity, budget)
+    if key not in _DISK_CACHES:
+        _DISK_CACHES[key] = KVDiskCache(*key, close_at_exit=False)  # closed once every loop has stopped
+    return _DISK_CACHES[key]
+
+
+def _close_disk_caches() -> None:
+    """Once no loop can write to them any more (a request's end may queue writes), close the disk tiers."""
+    with _LOOPS_LOCK:
+        if not all(loop.parked.is_set() for loop in _LOOPS.values()):
+            return
+        caches = list(_DISK_CACHES.values())
+        _DISK_CACHES.clear()
+    for cache in caches:
+        cache.close()

@@ -1,0 +1,130 @@
+"""The plugin's model options (``-o key value``), and what they ask of the engine and the sampler."""
+
+import re
+from typing import Literal, Optional, Union
+
+import llm
+from pydantic import Field, field_validator
+
+DEFAULT_MAX_TOKENS = 1024
+DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
+# The options that shape the engine (the rest shape one request's sampling).
+ENGINE_OPTIONS = (
+    "block_size", "kv_budget", "memory_fraction", "kv_bits", "kv_group_size", "scheduler", "attention_kernel",
+    "prefix_cache", "kv_disk_budget",
+)
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_size(value) -> int:
+    """Bytes from an int or a string such as "512MB", "2GB" or "1.5GiB" (units of 1024)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise ValueError(f"{value!r} is not a size: use bytes or a number with KB, MB or GB")
+    number, unit, _ = match.groups()
+    return int(float(number) * _UNITS[unit.lower()])
+
+
+class PagedOptions(llm.Options):
+    max_tokens: Optional[int] = Field(
+        None, gt=0, description=f"Maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS})"
+    )
+    temperature: Optional[float] = Field(None, ge=0, description="Sampling temperature; 0 (the default) is greedy")
+    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling: keep the top tokens up to this probability mass")
+    top_k: Optional[int] = Field(None, ge=0, description="Sample from the k most likely tokens only (0: no limit)")
+    min_p: Optional[float] = Field(None, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one")
+    seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
+    stop: Optional[str] = Field(None, min_length=1, description="Stop generating when this string appears")
+    block_size: Optional[int] = Field(None, ge=1, le=1024, description="Tokens per KV cache block (default 16)")
+    kv_budget: Optional[Union[int, Literal["auto"]]] = Field(
+        None,
+        description="KV cache size: auto (the default: what the device's memory leaves), or bytes, or with a unit such as 512MB or 2GB",
+    )
+    memory_fraction: Optional[float] = Field(
+        None, gt=0, le=1, description="With kv_budget auto: the share of the device's memory to use in all (default 0.9)"
+    )
+    kv_bits: Optional[Literal[8, 4]] = Field(
+        None, description="Store the KV cache quantized in 8 or 4 bits: about 1.9x or 3.5x the context in the same memory"
+    )
+    kv_group_size: Optional[Literal[32, 64, 128]] = Field(
+        None, description="Values per scale and bias of a quantized KV cache (default 64)"
+    )
+    scheduler: Optional[str] = Field(None, description="Scheduling policy: fcfs (default), priority, or one a plugin adds")
+    attention_kernel: Optional[str] = Field(None, description="Paged attention kernel: auto (default), portable, metal, cuda, or one a plugin adds")
+    prefix_cache: Optional[bool] = Field(None, description="Reuse the KV of earlier prompts' common prefix (default true)")
+    kv_disk_budget: Optional[int] = Field(
+        None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
+    )
+
+    @field_validator("kv_budget", mode="before")
+    @classmethod
+    def _parse_budget(cls, value):
+        if isinstance(value, str) and value.strip().lower() == "auto":
+            return "auto"
+        return None if value is None else parse_size(value)
+
+    @field_validator("kv_disk_budget", mode="before")
+    @classmethod
+    def _parse_size(cls, value):
+        return None if value is None else parse_size(value)
+
+    @field_validator("kv_budget")
+    @classmethod
+    def _positive(cls, value):
+        if isinstance(value, int) and value <= 0:
+            raise ValueError("kv_budget must be positive")
+        return value
+
+    @field_validator("kv_bits", "kv_group_size", mode="before")
+    @classmethod
+    def _number(cls, value):
+        return int(value) if isinstance(value, str) and value.isdigit() else value
+
+    @field_validator("scheduler")
+    @classmethod
+    def _known_scheduler(cls, value):
+        from . import plugins
+
+        if value is not None:
+            plugins.lookup("scheduler", plugins.schedulers(), value)  # ValueError names the known ones
+        return value
+
+    @field_validator("attention_kernel")
+    @classmethod
+    def _known_kernel(cls, value):
+        from . import plugins
+
+        if value not in (None, "auto"):
+            plugins.lookup("attention kernel", plugins.attention_kernels(), value)
+        return value
+
+
+def engine_options(options: PagedOptions) -> dict:
+    """The Engine keyword arguments the options ask for (defaults filled in)."""
+    return {
+        "block_size": options.block_size or 16,
+        "kv_budget_bytes": options.kv_budget or "auto",
+        "kv_bits": options.kv_bits,
+        "kv_group_size": options.kv_group_size or 64,
+        "scheduler": options.scheduler or "fcfs",
+        "attention_kernel": options.attention_kernel or "auto",
+        "enable_prefix_caching": options.prefix_cache is not False,
+        "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
+        **({"memory_fraction": options.memory_fraction} if options.memory_fraction is not None else {}),
+    }
+
+
+def sampling_params(options: PagedOptions):
+    from .engine.request import SamplingParams
+
+    given = {
+        name: getattr(options, name)
+        for name in ("temperature", "top_p", "top_k", "min_p", "seed")
+        if getattr(options, name) is not None
+    }
+    stop = [options.stop] if options.stop else None
+    return SamplingParams(max_tokens=options.max_tokens or DEFAULT_MAX_TOKENS, stop=stop, **given)

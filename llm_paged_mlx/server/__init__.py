@@ -1,0 +1,30 @@
+"""The OpenAI-compatible server: ``llm paged-mlx serve MODEL`` (or ``python -m llm_paged_mlx.server MODEL``)."""
+
+import uvicorn
+
+from ..engine.loop import EngineLoop
+from .app import ServedModel, create_app
+
+__all__ = ["ServedModel", "create_app", "run"]
+
+
+def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes: int = 32 * 1024**2) -> None:
+    """Serve until Ctrl-C (or SIGTERM): then every request ends, open streams close, and this returns."""
+    app = create_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    try:
+        _Server(config, served.loop).run()
+    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has shut down
+        pass
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose exit signal also stops the engine loop, so that open streams end at once."""
+
+    def __init__(self, config: uvicorn.Config, loop: EngineLoop):
+        super().__init__(config)
+        self.loop = loop
+
+    def handle_exit(self, sig, frame) -> None:
+        super().handle_exit(sig, frame)
+        self.loop.stop()

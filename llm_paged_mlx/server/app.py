@@ -1,0 +1,338 @@
+"""The OpenAI-compatible HTTP API over one model's engine loop (FastAPI).
+
+Every request becomes a submission to the loop, so concurrent clients share the
+engine's steps. A client that disconnects cancels its request: its blocks are
+free before the loop's next step. Bad input gets OpenAI's error body with a 4xx
+status, never a 500.
+"""
+
+import asyncio
+import contextlib
+import hmac
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Optional
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException
+
+from ..chat import render_prompt
+from ..engine.loop import EngineLoop, LoopStopped, QueueFull
+from ..engine.output import StreamChunk, TokenLogprob
+from ..engine.request import SamplingParams
+from ..errors import one_line
+from .limits import BodySizeLimit
+from .metrics import ServerMetrics
+from .schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorBody,
+    ModelList,
+    SamplingFields,
+)
+
+# The errors each API route may answer with, for the OpenAPI schema; streams are server-sent events.
+_ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 503)}
+_STREAM = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+
+
+class APIError(Exception):
+    """An error for the client, in OpenAI's error body."""
+
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param=None, code=None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if self.status == 401 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+@dataclass
+class ServedModel:
+    """What the server serves: the model's names, its loop, the loop's config, and request defaults."""
+
+    model_id: str
+    loop: EngineLoop
+    config: object = None
+    aliases: tuple[str, ...] = ()
+    defaults: dict = field(default_factory=dict)  # SamplingParams fields for requests that leave them out
+    max_tokens_limit: int = 32768  # the most tokens a request may ask for
+
+
+def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_bytes: int = 32 * 1024**2) -> FastAPI:
+    """The FastAPI app serving ``served``; ``api_key``, if given, is required as a bearer token on /v1."""
+    app = FastAPI(title="llm-paged-mlx", summary="An OpenAI-compatible API over a paged-KV MLX engine")
+    app.add_middleware(BodySizeLimit, limit=max_body_bytes, error=lambda message: APIError(413, message).response())
+    metrics = ServerMetrics(served.loop, served.model_id)
+    created = int(time.time())
+
+    @app.exception_handler(APIError)
+    async def api_error(request, error: APIError):
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request, error: RequestValidationError):
+        first = error.errors()[0]
+        where = ".".join(str(part) for part in first["loc"] if part != "body")
+        if first["type"] == "json_invalid":
+            message = "the body is not valid JSON"
+        else:
+            message = f"{where}: {first['msg']}" if where else "the body must be a JSON object"
+        return APIError(400, message, param=where or None).response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        return APIError(error.status_code, str(error.detail), type="invalid_request_error").response()
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return APIError(500, f"internal error: {one_line(error)}", type="server_error").response()
+
+    def authorized(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "missing or wrong API key: send it as 'Authorization: Bearer <key>'", code="invalid_api_key")
+
+    def check_model(name: str) -> None:
+        if name != served.model_id and name not in served.aliases:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves {served.model_id!r}",
+                           param="model", code="model_not_found")
+
+    @app.get("/health", responses={503: {"description": "The engine loop has stopped"}})
+    async def health():
+        if served.loop.parked.is_set():
+            return JSONResponse({"status": "stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={200: {"description": "Prometheus text format"}})
+    async def prometheus():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList, responses=_ERRORS)
+    async def models():
+        entry = {"object": "model", "created": created, "owned_by": "llm-paged-mlx"}
+        return {"object": "list", "data": [{"id": name, **entry} for name in (served.model_id, *served.aliases)]}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], response_model=ChatCompletion,
+              responses={**_ERRORS, 200: _STREAM})
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        check_model(body.model)
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        top = body.top_logprobs if body.top_logprobs is not None else 0
+        params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
+        run = await start(lambda tokenizer: render_prompt(tokenizer, messages), params, request)
+        return await respond(run, body, request, "chat.completion", "chatcmpl")
+
+    @app.post("/v1/completions", dependencies=[Depends(authorized)], response_model=Completion,
+              responses={**_ERRORS, 200: _STREAM})
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else body.prompt
+        params = sampling(body, body.max_tokens, body.logprobs)
+        run = await start(prompt, params, request)
+        return await respond(run, body, request, "text_completion", "cmpl")
+
+    def sampling(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+        if max_tokens is not None and max_tokens > served.max_tokens_limit:
+            raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {served.max_tokens_limit}",
+                           param="max_tokens")
+        given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
+                 "stop": body.stops(), "logprobs": logprobs}
+        try:
+            return SamplingParams(**{**served.defaults, **{k: v for k, v in given.items() if v is not None}})
+        except ValueError as e:
+            raise APIError(400, one_line(e)) from None
+
+    async def start(prompt, params: SamplingParams, request: Request) -> "_Run":
+        """Submit the request and wait for its first chunk, so that an error in the prompt is a 4xx response."""
+        try:
+            submission = served.loop.submit(prompt, params, served.config)
+        except QueueFull as e:
+            raise APIError(503, f"the server is busy: {e}; try again later", type="server_error") from None
+        except LoopStopped:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
+        run = _Run(submission, metrics)
+        async with cancelled_on_disconnect(request, submission):
+            await run.first()
+        return run
+
+    async def respond(run: "_Run", body: SamplingFields, request: Request, kind: str, prefix: str):
+        ident, tokenizer = f"{prefix}-{uuid.uuid4().hex}", served.loop.engine.tokenizer
+        shape = _Shape(kind, ident, body.model, created=int(time.time()), tokenizer=tokenizer)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(stream(run, shape, include_usage), media_type="text/event-stream")
+        async with cancelled_on_disconnect(request, run.submission):
+            chunks = [chunk async for chunk in run.rest()]
+        return shape.whole(chunks, run.usage())
+
+    async def stream(run: "_Run", shape: "_Shape", include_usage: bool) -> AsyncIterator[str]:
+        try:
+            yield _event(shape.chunk(None, first=True, usage=include_usage))
+            async for chunk in run.rest():
+                yield _event(shape.chunk(chunk, usage=include_usage))
+            if include_usage:
+                yield _event(shape.usage_chunk(run.usage()))
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield _event(e.body())
+
+    return app
+
+
+@contextlib.asynccontextmanager
+async def cancelled_on_disconnect(request: Request, submission):
+    """Cancel ``submission`` if the client disconnects while the block runs."""
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        submission.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        yield
+    finally:
+        watcher.cancel()
+
+
+class _Run:
+    """A submitted request's chunks as the server reads them, with their timings for the metrics."""
+
+    def __init__(self, submission, metrics: ServerMetrics):
+        self.submission = submission
+        self.metrics = metrics
+        self.chunks = submission.__aiter__()
+        self.pending: list[StreamChunk] = []
+        self.generated = 0
+        self.final: Optional[StreamChunk] = None
+        self.last = None
+
+    async def first(self) -> None:
+        """Wait for the first chunk; a request error (a prompt that does not fit) is raised as a 400."""
+        try:
+            self.pending.append(await self._next())
+        except (ValueError, TypeError) as e:
+            raise APIError(400, one_line(e)) from None
+        except TemplateError as e:
+            raise APIError(400, f"the chat template rejects these messages: {one_line(e)}", param="messages") from None
+
+    async def rest(self) -> AsyncIterator[StreamChunk]:
+        try:
+            while self.pending or self.final is None:
+                chunk = self.pending.pop(0) if self.pending else await self._next()
+                yield chunk
+        except LoopStopped:
+            raise APIError(503, "the server is shutting down", type="server_error") from None
+        finally:
+            await self.chunks.aclose()  # a request left unfinished is cancelled
+
+    async def _next(self) -> StreamChunk:
+        chunk = await self.chunks.__anext__()
+        now = time.monotonic()
+        if chunk.token_ids:
+            if self.generated == 0:
+                self.metrics.first_token(now - self.submission.submitted)
+            else:
+                self.metrics.next_token(now - self.last, len(chunk.token_ids))
+            self.last = now
+        self.generated += len(chunk.token_ids)
+        if chunk.finish_reason:
+            self.final = chunk
+            self.metrics.finished(now - self.submission.submitted, self.submission.prompt_tokens, self.generated,
+                                  chunk.finish_reason)
+        return chunk
+
+    def usage(self) -> dict:
+        prompt = self.submission.prompt_tokens
+        cached = self.final.num_cached_tokens if self.final else 0
+        return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": prompt + self.generated,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+@dataclass
+class _Shape:
+    """OpenAI's response objects for one request: whole, or as stream chunks."""
+
+    kind: str  # "chat.completion" or "text_completion"
+    ident: str
+    model: str
+    created: int
+    tokenizer: object
+
+    @property
+    def chat(self) -> bool:
+        return self.kind == "chat.completion"
+
+    def whole(self, chunks: list[StreamChunk], usage: dict) -> dict:
+        text = "".join(c.text or "" for c in chunks)
+        logprobs = [lp for c in chunks for lp in c.logprobs or []]
+        choice = {"index": 0, "finish_reason": chunks[-1].finish_reason, "logprobs": self._logprobs(chunks, logprobs)}
+        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": usage}
+
+    def chunk(self, chunk: Optional[StreamChunk], first: bool = False, usage: bool = False) -> dict:
+        if first:
+            delta = {"role": "assistant", "content": ""}
+            reason, logprobs = None, None
+        else:
+            delta = {"content": chunk.text or ""}
+            reason, logprobs = chunk.finish_reason, self._logprobs([chunk], chunk.logprobs)
+        choice = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+        choice.update({"delta": delta} if self.chat else {"text": delta["content"]})
+        body = {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,
+                "choices": [choice]}
+        if usage:
+            body["usage"] = None
+        return body
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,
+                "choices": [], "usage": usage}
+
+    @property
+    def _chunk_kind(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _logprobs(self, chunks: list[StreamChunk], logprobs: Optional[list[TokenLogprob]]):
+        if logprobs is None:
+            return None
+        if self.chat:
+            return {"content": [self._chat_entry(lp) for lp in logprobs]}
+        tokens = [self._text(lp.token_id) for lp in logprobs]
+        offsets, at = [], 0
+        for token in tokens:
+            offsets.append(at)
+            at += len(token)
+        return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+                "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
+
+    def _chat_entry(self, lp: TokenLogprob) -> dict:
+        entry = self._token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+        return entry
+
+    def _token(self, token_id: int, logprob: float) -> dict:
+        text = self._text(token_id)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    def _text(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+
+def _event(body: dict) -> str:
+    return f"data: {json.dumps(body)}\n\n"

@@ -1,0 +1,177 @@
+"""The request bodies the server accepts: OpenAI's chat completions and completions, text only.
+
+Fields OpenAI defines that this server cannot honour are declared, so that a
+request asking for them is refused by name instead of silently ignored; other
+unknown fields are ignored, as OpenAI clients send fields of newer API versions.
+"""
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..engine.request import MAX_LOGPROBS
+
+PositiveInt = Annotated[int, Field(ge=1)]
+StopStrings = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Union[str, list[TextPart], None] = None
+    name: Optional[str] = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    """What both endpoints share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str
+    max_tokens: Optional[PositiveInt] = None
+    temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
+    top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
+    seed: Optional[int] = None
+    stop: Optional[StopStrings] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    n: Literal[1] = Field(1, description="Only one choice per request is supported")
+    presence_penalty: Literal[0, 0.0] = Field(0, description="Penalties are not supported: 0 only")
+    frequency_penalty: Literal[0, 0.0] = Field(0, description="Penalties are not supported: 0 only")
+    user: Optional[str] = None
+
+    def stops(self) -> Optional[list[str]]:
+        return [self.stop] if isinstance(self.stop, str) else self.stop
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_completion_tokens: Optional[PositiveInt] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    tools: Optional[Annotated[list, Field(max_length=0)]] = Field(None, description="Tool calling is not supported")
+    response_format: Optional[dict[Literal["type"], Literal["text"]]] = Field(
+        None, description="Only plain text responses are supported"
+    )
+
+
+class CompletionRequest(SamplingFields):
+    prompt: Union[
+        str,
+        Annotated[list[int], Field(min_length=1)],
+        Annotated[list[str], Field(min_length=1, max_length=1)],
+        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)],
+    ]
+    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
+    echo: Literal[False] = Field(False, description="Echoing the prompt is not supported")
+    suffix: Optional[Literal[""]] = Field(None, description="Suffixes are not supported")
+
+
+# -- responses ----------------------------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorBody(BaseModel):
+    error: ErrorDetail
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobEntry(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobEntry]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    finish_reason: Literal["stop", "length"]
+    logprobs: Optional[ChatLogprobs] = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length"]
+    logprobs: Optional[CompletionLogprobs] = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]

@@ -1,0 +1,387 @@
+"""The OpenAI-compatible server, in this process on a free port, driven by the real ``openai`` client.
+
+The model is SmolLM2 (tests/smollm2.py); texts are compared with mlx-lm's greedy generation.
+"""
+
+import asyncio
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from models import tiny_model
+from smollm2 import smollm2_dir
+from test_plugin import FRANCE, loaded, mlx_lm_answer
+
+from llm_paged_mlx import Engine, engines
+from llm_paged_mlx.catalog import CACHE_ENV
+from llm_paged_mlx.engine.loop import EngineLoop
+from llm_paged_mlx.options import PagedOptions, engine_options
+from llm_paged_mlx.server import ServedModel, create_app
+
+MODEL = "smollm2"
+KEY = "test-key"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """An app served by uvicorn on a thread of this process."""
+
+    def __init__(self, app):
+        self.port = free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive()
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    os.environ.setdefault("LLM_USER_PATH", str(tmp_path_factory.mktemp("llm")))
+    folder = str(smollm2_dir())
+    loop = engines.engine_loop(MODEL, folder, lambda: folder)
+    config = engine_options(PagedOptions(kv_budget="64MB", kv_disk_budget=0))
+    loop.prepare(config).result()
+    return ServedModel(MODEL, loop, config, aliases=("smol",), defaults={"max_tokens": 64}, max_tokens_limit=512)
+
+
+@pytest.fixture(scope="module")
+def server(served):
+    running = Running(create_app(served, api_key=KEY))
+    yield running
+    running.stop()
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def chat(question):
+    return [{"role": "user", "content": question}]
+
+
+def metric(server, name) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(rf"^{re.escape(name)}{{[^}}]*}} (\S+)$", text, re.MULTILINE)
+    assert match, f"{name} not in /metrics"
+    return float(match.group(1))
+
+
+def completion_reference(prompt: str, max_tokens: int) -> str:
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = loaded(str(smollm2_dir()))
+    pieces = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0))
+    return "".join(r.text for r in pieces)
+
+
+# -- the API ------------------------------------------------------------------
+
+
+def test_chat_completion_gives_mlx_lm_text_and_usage(client):
+    response = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=24, temperature=0)
+    assert response.choices[0].message.content == mlx_lm_answer(smollm2_dir(), FRANCE, 24)
+    assert response.choices[0].finish_reason == "stop" and response.object == "chat.completion"
+    _, tokenizer = loaded(str(smollm2_dir()))
+    prompt_tokens = len(tokenizer.apply_chat_template(chat(FRANCE), add_generation_prompt=True))
+    usage = response.usage
+    assert usage.prompt_tokens == prompt_tokens and 0 < usage.completion_tokens <= 24
+    assert usage.total_tokens == prompt_tokens + usage.completion_tokens
+    again = client.chat.completions.create(model="smol", messages=chat(FRANCE), max_tokens=24)
+    assert again.choices[0].message.content == response.choices[0].message.content
+    assert again.usage.prompt_tokens_details.cached_tokens >= 16  # the prefix cache's hit
+
+
+def test_streamed_chat_gives_the_same_text_and_usage_last(client):
+    question = "Tell me about Paris."
+    stream = client.chat.completions.create(model=MODEL, messages=chat(question), max_tokens=20, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == mlx_lm_answer(smollm2_dir(), question, 20)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 20
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_completions_plain_and_streamed(client):
+    prompt = "The capital of France is"
+    expected = completion_reference(prompt, 12)
+    response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
+    assert response.choices[0].text == expected and response.usage.completion_tokens == 12
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True))
+    assert streamed == expected
+    _, tokenizer = loaded(str(smollm2_dir()))
+    by_ids = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt), max_tokens=12)
+    assert by_ids.choices[0].text == expected
+
+
+def test_logprobs_are_the_models(client):
+    response = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=4, logprobs=True,
+                                              top_logprobs=3)
+    entries = response.choices[0].logprobs.content
+    assert len(entries) == response.usage.completion_tokens and all(len(e.top_logprobs) == 3 for e in entries)
+    for entry in entries:  # greedy: the chosen token is the most likely one
+        assert entry.top_logprobs[0].token == entry.token and entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)
+        assert entry.logprob <= 0 and entry.top_logprobs[1].logprob <= entry.logprob
+    legacy = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3, logprobs=2)
+    assert len(legacy.choices[0].logprobs.token_logprobs) == 3 and all(len(t) <= 2 for t in legacy.choices[0].logprobs.top_logprobs)
+
+
+def test_stop_strings_and_seeded_sampling(client):
+    stopped = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=24, stop=["Paris"])
+    assert stopped.choices[0].message.content == "The capital of France is " and stopped.choices[0].finish_reason == "stop"
+    sampled = [
+        client.chat.completions.create(model=MODEL, messages=chat("Write a poem."), max_tokens=12, temperature=1.0,
+                                       top_p=0.9, seed=7).choices[0].message.content
+        for _ in range(2)
+    ]
+    assert sampled[0] == sampled[1]
+
+
+def test_models_and_health(client, server):
+    assert [m.id for m in client.models.list().data] == [MODEL, "smol"]
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+
+
+def test_64_concurrent_streaming_clients_all_finish(server):
+    async def one(client, i):
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=chat(f"Write a story about the number {i}."), max_tokens=8 + i % 5, stream=True,
+            stream_options={"include_usage": True}, temperature=0,
+        )
+        usage, reasons = None, []
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            reasons += [c.finish_reason for c in chunk.choices if c.finish_reason]
+        return usage.completion_tokens, reasons
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=600) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(main())
+    assert [reasons for _, reasons in results] == [["length"]] * 64
+    assert [count for count, _ in results] == [8 + i % 5 for i in range(64)]
+    assert metric(server, "vllm:num_requests_running") == 0 and metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(client, server):
+    stream = client.chat.completions.create(model=MODEL, messages=chat("Write a long story about a dragon."),
+                                            max_tokens=500, stream=True)
+    for _, chunk in zip(range(4), stream):
+        pass
+    assert metric(server, "vllm:num_requests_running") == 1 and metric(server, "vllm:kv_cache_usage_perc") > 0
+    stream.close()
+    deadline = time.monotonic() + 10
+    while metric(server, "vllm:kv_cache_usage_perc") > 0 or metric(server, "vllm:num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the disconnected request still holds blocks"
+        time.sleep(0.05)
+
+
+# -- bad input ----------------------------------------------------------------
+
+
+def post(server, path, body=None, *, content=None, key=KEY, **headers):
+    headers = {**({"Authorization": f"Bearer {key}"} if key else {}), **headers}
+    return httpx.post(f"{server.url}{path}", json=body, content=content, headers=headers, timeout=60)
+
+
+def assert_error(response, status, *words):
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    for word in words:
+        assert word in error["message"], error["message"]
+    return error
+
+
+@pytest.mark.parametrize("key", [None, "wrong-key", KEY + "x", ""])
+def test_missing_or_wrong_key_is_401(server, key):
+    body = {"model": MODEL, "messages": chat("hi")}
+    error = assert_error(post(server, "/v1/chat/completions", body, key=key), 401, "API key")
+    assert error["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key=key or "none", max_retries=0).models.list()
+
+
+def test_malformed_bodies_are_400(server):
+    headers = {"Content-Type": "application/json"}
+    assert_error(post(server, "/v1/chat/completions", content=b"{not json", **headers), 400, "not valid JSON")
+    assert_error(post(server, "/v1/chat/completions", content=b"[1, 2]", **headers), 400)
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL}), 400, "messages")
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": []}), 400, "messages")
+    bad = {"model": MODEL, "messages": [{"role": "robot", "content": "hi"}]}
+    assert_error(post(server, "/v1/chat/completions", bad), 400, "messages.0.role")
+    for field, value in [("temperature", -1), ("top_p", 0), ("max_tokens", 0), ("n", 2), ("stop", [""]),
+                         ("top_logprobs", 21), ("presence_penalty", 1.0), ("tools", [{"type": "function"}])]:
+        body = {"model": MODEL, "messages": chat("hi"), field: value}
+        assert_error(post(server, "/v1/chat/completions", body), 400, field)
+    image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": image}]}), 400)
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, "vocabulary")
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4o", messages=chat("hi"))
+
+
+def test_too_long_prompt_and_too_many_tokens_are_400(client, server):
+    with pytest.raises(openai.BadRequestError, match="does not fit"):
+        client.chat.completions.create(model=MODEL, messages=chat("Paris " * 2000), max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="at most 512"):
+        client.chat.completions.create(model=MODEL, messages=chat("hi"), max_tokens=513)
+    with pytest.raises(openai.BadRequestError, match="does not fit"):
+        list(client.completions.create(model=MODEL, prompt="Paris " * 2000, max_tokens=4, stream=True))
+    assert metric(server, "vllm:kv_cache_usage_perc") == 0
+
+
+def test_a_body_over_the_limit_is_413(served):
+    running = Running(create_app(served, max_body_bytes=1000))
+    try:
+        big = {"model": MODEL, "messages": chat("x" * 2000)}
+        assert_error(post(running, "/v1/chat/completions", big, key=None), 413, "larger than 1000 bytes")
+        chunked = post(running, "/v1/chat/completions", content=iter([b"{", b" " * 1500, b"}"]), key=None)
+        assert_error(chunked, 413)
+        assert post(running, "/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "max_tokens": 2},
+                    key=None).status_code == 200
+    finally:
+        running.stop()
+
+
+def test_a_full_queue_is_503():
+    """One request runs at a time here; with one waiting, the next is refused until the queue drains."""
+    loop = EngineLoop(lambda config, weights: Engine(tiny_model("llama"), None, num_blocks=64, max_num_seqs=1),
+                      max_waiting=1)
+    loop.prepare().result()
+    running = Running(create_app(ServedModel("tiny", loop, max_tokens_limit=4000)))
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+    try:
+        first = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=3000, stream=True)
+        next(iter(first))
+        waiting = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt=[4], max_tokens=2))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while metric(running, "vllm:num_requests_waiting") < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        with pytest.raises(openai.APIStatusError, match="busy") as refused:
+            client.completions.create(model="tiny", prompt=[5], max_tokens=2)
+        assert refused.value.status_code == 503
+        first.close()
+        waiting.join(timeout=60)
+        assert client.completions.create(model="tiny", prompt=[5], max_tokens=2).usage.completion_tokens == 2
+    finally:
+        running.stop()
+        loop.stop()
+
+
+def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(served):
+    """Generated requests (valid and not) against the OpenAPI schema: no 5xx, every response as documented."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+
+    small = ServedModel(MODEL, served.loop, served.config, defaults={"max_tokens": 2}, max_tokens_limit=4)
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(small))
+    for operation in schema.get_all_operations():
+
+        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @given(case=operation.ok().as_strategy())
+        def run(case):
+            case.call_and_validate()
+
+        run()
+
+
+# -- the command --------------------------------------------------------------
+
+
+def serve_process(tmp_path, *args) -> subprocess.Popen:
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), CACHE_ENV: str(smollm2_dir().parent)}
+    llm = Path(sys.executable).parent / "llm"
+    return subprocess.Popen([llm, "paged-mlx", "serve", *map(str, args)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
+    port = free_port()
+    process = serve_process(tmp_path, "paged-smollm2", "--port", port, "-o", "kv_budget", "64MB", "-o", "max_tokens", 6)
+    try:
+        wait_for_health(process, port)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        response = client.chat.completions.create(model="paged-smollm2", messages=chat(FRANCE))
+        assert response.usage.completion_tokens == 6  # the -o max_tokens default
+        stream = client.chat.completions.create(model="paged-smollm2", messages=chat("Write a long story."),
+                                                max_tokens=400, stream=True)
+        next(iter(stream))
+        process.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="shutting down"):  # the open stream ends, it does not hang
+            list(stream)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 0, stderr
+    assert "Traceback" not in stderr and "Serving paged-smollm2 on http://127.0.0.1" in stderr
+
+
+@pytest.mark.parametrize("args, words", [
+    (["no-such-model"], "neither a model of llm-paged-mlx nor a model folder"),
+    (["paged-smollm2", "-o", "kv_bits", "3"], "option kv_bits"),
+    (["paged-smollm2", "-o", "nosuch", "1"], "option nosuch"),
+    (["paged-smollm2", "--port", "99999"], "99999"),
+])
+def test_serve_command_errors(tmp_path, args, words):
+    process = serve_process(tmp_path, *args)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode != 0 and words in stderr and "Traceback" not in stderr, stderr
+
+
+def test_serving_beyond_this_machine_without_a_key_warns(tmp_path):
+    port = free_port()
+    process = serve_process(tmp_path, "paged-smollm2", "--host", "0.0.0.0", "--port", port, "-o", "kv_budget", "64MB")
+    try:
+        wait_for_health(process, port)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert "without an API key" in stderr and process.returncode == 0
+
+
+def wait_for_health(process: subprocess.Popen, port: int, timeout: float = 240) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert process.poll() is None, process.communicate()[1]
+        assert time.monotonic() < deadline, "the server did not start"
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
