@@ -8,11 +8,6 @@ from pydantic import Field, field_validator
 
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
-# The options that shape the engine (the rest shape one request's sampling).
-ENGINE_OPTIONS = (
-    "block_size", "kv_budget", "memory_fraction", "kv_bits", "kv_group_size", "scheduler", "attention_kernel",
-    "prefix_cache", "kv_disk_budget",
-)
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
@@ -58,6 +53,12 @@ class PagedOptions(llm.Options):
     prefix_cache: Optional[bool] = Field(None, description="Reuse the KV of earlier prompts' common prefix (default true)")
     kv_disk_budget: Optional[int] = Field(
         None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
+    )
+    max_num_seqs: Optional[int] = Field(
+        None, ge=1, description="Most requests decoded together in one step (default 64); raise it to serve many clients at once"
+    )
+    max_num_batched_tokens: Optional[int] = Field(
+        None, ge=1, description="Most tokens (prompt chunks and decoded tokens) in one step (default 2048)"
     )
 
     @field_validator("kv_budget", mode="before")
@@ -114,7 +115,11 @@ def engine_options(options: PagedOptions) -> dict:
         "attention_kernel": options.attention_kernel or "auto",
         "enable_prefix_caching": options.prefix_cache is not False,
         "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
-        **({"memory_fraction": options.memory_fraction} if options.memory_fraction is not None else {}),
+        **{  # the Engine's own defaults where they are not given
+            name: getattr(options, name)
+            for name in ("memory_fraction", "max_num_seqs", "max_num_batched_tokens")
+            if getattr(options, name) is not None
+        },
     }
 
 

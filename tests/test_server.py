@@ -4,6 +4,7 @@ The model is SmolLM2 (tests/smollm2.py); texts are compared with mlx-lm's greedy
 """
 
 import asyncio
+import json
 import os
 import re
 import signal
@@ -18,11 +19,13 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from faults import Fault
 from models import tiny_model
 from smollm2 import smollm2_dir
+from test_engine_loop import wait_until
 from test_plugin import FRANCE, loaded, mlx_lm_answer
 
-from llm_paged_mlx import Engine, engines
+from llm_paged_mlx import Engine, SamplingParams, engines
 from llm_paged_mlx.catalog import CACHE_ENV
 from llm_paged_mlx.engine.loop import EngineLoop
 from llm_paged_mlx.options import PagedOptions, engine_options
@@ -105,6 +108,7 @@ def test_chat_completion_gives_mlx_lm_text_and_usage(client):
     response = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=24, temperature=0)
     assert response.choices[0].message.content == mlx_lm_answer(smollm2_dir(), FRANCE, 24)
     assert response.choices[0].finish_reason == "stop" and response.object == "chat.completion"
+    assert response.choices[0].logprobs is None  # not asked for
     _, tokenizer = loaded(str(smollm2_dir()))
     prompt_tokens = len(tokenizer.apply_chat_template(chat(FRANCE), add_generation_prompt=True))
     usage = response.usage
@@ -150,6 +154,10 @@ def test_logprobs_are_the_models(client):
         assert entry.logprob <= 0 and entry.top_logprobs[1].logprob <= entry.logprob
     legacy = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3, logprobs=2)
     assert len(legacy.choices[0].logprobs.token_logprobs) == 3 and all(len(t) <= 2 for t in legacy.choices[0].logprobs.top_logprobs)
+    streamed = client.completions.create(model=MODEL, prompt="One, two,", max_tokens=3, logprobs=2, stream=True)
+    parts = [c.choices[0].logprobs for c in streamed if c.choices[0].logprobs and c.choices[0].logprobs.tokens]
+    assert [t for part in parts for t in part.tokens] == legacy.choices[0].logprobs.tokens
+    assert [o for part in parts for o in part.text_offset] == legacy.choices[0].logprobs.text_offset  # from the text's start
 
 
 def test_stop_strings_and_seeded_sampling(client):
@@ -245,6 +253,31 @@ def test_malformed_bodies_are_400(server):
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": image}]}), 400)
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, "vocabulary")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": {"a": 1}}), 400,
+                 "prompt: expected a string, a list of token ids")  # not pydantic's names for the union's branches
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, True]}), 400, "prompt.1", "not a boolean")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [1, 2.5]}), 400, "prompt.1")
+    lone_surrogate = b'{"model": "smollm2", "messages": [{"role": "user", "content": "a\\ud800"}]}'
+    assert_error(post(server, "/v1/chat/completions", content=lone_surrogate, **headers), 400,
+                 "messages.0.content", "lone surrogate")
+    assert_error(post(server, "/v1/chat/completions", content=b'{"model": "smollm2",', **headers), 400,
+                 "not valid JSON", "at character 20")
+    form = post(server, "/v1/chat/completions", content=b'{"model": "smollm2"}',
+                **{"Content-Type": "application/x-www-form-urlencoded"})
+    assert_error(form, 400, "Content-Type: application/json")
+    assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "top_logprobs": 2}),
+                 400, "top_logprobs needs logprobs")
+    wrong_method = httpx.get(f"{server.url}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert_error(wrong_method, 405)
+    assert wrong_method.headers["allow"] == "POST"
+
+
+def test_null_is_the_default_for_optional_fields(server):
+    nulls = {name: None for name in ("n", "stream", "stream_options", "logprobs", "top_logprobs", "presence_penalty",
+                                     "frequency_penalty", "temperature", "top_p", "seed", "stop", "user")}
+    response = post(server, "/v1/chat/completions", {"model": MODEL, "messages": chat("hi"), "max_tokens": 2, **nulls})
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 2 and response.json()["choices"][0]["logprobs"] is None
 
 
 def test_unknown_model_is_404(client):
@@ -300,6 +333,119 @@ def test_a_full_queue_is_503():
     finally:
         running.stop()
         loop.stop()
+
+
+# -- failures, clients that go, and stopping ------------------------------------
+
+
+def tiny_engine(config=None, weights=None) -> Engine:
+    return Engine(tiny_model("llama"), None, num_blocks=64)
+
+
+async def asgi_call(app, path: str, body: dict, disconnect_after: float = None) -> tuple[int, bytes]:
+    """POST ``body`` to ``app`` as an ASGI server would, the client disconnecting after ``disconnect_after``
+    seconds (None: never); the response's status and body."""
+    pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
+    sent = []
+
+    async def receive():
+        if pending:
+            return pending.pop(0)
+        await asyncio.sleep(3600 if disconnect_after is None else disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+             "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
+             "headers": [(b"content-type", b"application/json")], "client": ("127.0.0.1", 1),
+             "server": ("127.0.0.1", 80)}
+    await app(scope, receive, send)
+    status = next(m["status"] for m in sent if m["type"] == "http.response.start")
+    return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+
+
+def test_a_client_gone_before_its_answer_gets_none_and_frees_its_blocks():
+    """Not streamed: gone mid-generation, or before the loop took the request (it was busy): no answer is built
+    (no 500 for a response nobody reads), the handler does not hang, and no block stays in use."""
+    loop = EngineLoop(tiny_engine)
+    loop.prepare().result()
+    app = create_app(ServedModel("tiny", loop, max_tokens_limit=5000))
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000}
+    assert asyncio.run(asgi_call(app, "/v1/completions", body, disconnect_after=0.3)) == (499, b"")
+    admitting, release = threading.Event(), threading.Event()
+
+    def slow_prompt(tokenizer):
+        admitting.set()
+        release.wait()
+        return [1]
+
+    blocker = loop.submit(slow_prompt, SamplingParams(max_tokens=1))
+    admitting.wait()
+
+    async def gone_while_the_loop_is_busy():
+        call = asyncio.create_task(asgi_call(app, "/v1/completions", body, disconnect_after=0))
+        await asyncio.sleep(0.3)  # submitted, and cancelled by the disconnect
+        release.set()
+        return await asyncio.wait_for(call, 30)
+
+    assert asyncio.run(gone_while_the_loop_is_busy()) == (499, b"")
+    list(blocker)
+    wait_until(lambda: loop.stats["used_blocks"] == 0 and loop.num_waiting() == 0)
+    loop.stop()
+
+
+def test_an_engine_that_keeps_failing_gives_server_errors_and_the_server_goes_on(monkeypatch):
+    loop = EngineLoop(tiny_engine)
+    loop.prepare().result()
+    running = Running(create_app(ServedModel("tiny", loop, max_tokens_limit=5000)))
+    client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
+    failing, step = threading.Event(), Engine.step
+
+    def step_that_may_fail(engine):
+        if failing.is_set():
+            raise Fault("injected")
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", step_that_may_fail)
+    try:
+        stream = client.completions.create(model="tiny", prompt=[1, 2, 3], max_tokens=4000, stream=True)
+        next(iter(stream))
+        failing.set()
+        with pytest.raises(openai.APIError, match="the engine failed 3 steps in a row: injected"):
+            list(stream)  # the stream ends with an error event
+        with pytest.raises(openai.InternalServerError, match="the engine failed"):
+            client.completions.create(model="tiny", prompt=[4], max_tokens=2)
+        failing.clear()
+        assert client.completions.create(model="tiny", prompt=[4], max_tokens=2).usage.completion_tokens == 2
+        assert metric(running, "vllm:kv_cache_usage_perc") == 0
+    finally:
+        running.stop()
+        loop.stop()
+
+
+def test_a_request_waiting_when_the_server_stops_gets_503():
+    building, release = threading.Event(), threading.Event()
+
+    def slow_build(config, weights):
+        building.set()
+        release.wait()
+        return tiny_engine()
+
+    loop = EngineLoop(slow_build)
+    app = create_app(ServedModel("tiny", loop))
+
+    async def stopped_while_waiting():
+        call = asyncio.create_task(asgi_call(app, "/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": 2}))
+        await asyncio.to_thread(building.wait)
+        loop.request_stop()
+        release.set()
+        return await asyncio.wait_for(call, 30)
+
+    status, body = asyncio.run(stopped_while_waiting())
+    assert status == 503 and json.loads(body)["error"]["message"] == "the server is shutting down"
+    loop.stop()
 
 
 def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(served):
@@ -362,16 +508,16 @@ def test_serve_command_errors(tmp_path, args, words):
     assert process.returncode != 0 and words in stderr and "Traceback" not in stderr, stderr
 
 
-def test_serving_beyond_this_machine_without_a_key_warns(tmp_path):
+def test_serving_beyond_this_machine_without_a_key_warns_and_sigterm_stops_it_cleanly(tmp_path):
     port = free_port()
     process = serve_process(tmp_path, "paged-smollm2", "--host", "0.0.0.0", "--port", port, "-o", "kv_budget", "64MB")
     try:
         wait_for_health(process, port)
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert "without an API key" in stderr and process.returncode == 0
+    assert "without an API key" in stderr and process.returncode == 0 and "Traceback" not in stderr, stderr
 
 
 def wait_for_health(process: subprocess.Popen, port: int, timeout: float = 240) -> None:

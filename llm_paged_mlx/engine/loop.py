@@ -27,6 +27,7 @@ import time
 from concurrent.futures import Future
 from typing import AsyncIterator, Callable, Hashable, Iterator, Optional, Union
 
+from ..errors import one_line
 from .output import StreamChunk
 from .request import SamplingParams
 
@@ -46,11 +47,16 @@ class QueueFull(RuntimeError):
     """More requests wait than the loop takes (``max_waiting``)."""
 
 
+class StepFailed(RuntimeError):
+    """The engine failed ``MAX_STEP_FAILURES`` steps in a row; the requests in it end with this error
+    (its ``__cause__`` is the last step's error)."""
+
+
 class Submission:
     """One request given to a loop: iterate it (``for`` or ``async for``) for its chunks; ``cancel`` aborts it.
 
-    ``prompt_tokens`` and ``block_size`` are set once the loop has admitted it
-    (before its first chunk). Iterating raises the request's error, if it got one.
+    ``prompt_tokens``, ``block_size`` and ``tokenizer`` (the engine's) are set once
+    the loop has admitted it (before its first chunk). Iterating raises the request's error, if it got one.
     """
 
     def __init__(self, loop: "EngineLoop", prompt: LoopPrompt, params: SamplingParams, config: Hashable):
@@ -61,6 +67,7 @@ class Submission:
         self.request_id: Optional[int] = None  # the engine's, once admitted
         self.prompt_tokens: Optional[int] = None
         self.block_size: Optional[int] = None
+        self.tokenizer = None
         self.submitted = time.monotonic()
         self.cancelled = False
         self.done = False  # its last chunk or its error has been read
@@ -68,7 +75,8 @@ class Submission:
         self._wake: Callable[[], None] = lambda: None
 
     def cancel(self) -> None:
-        """Abort the request (its blocks are freed before the loop's next step); nothing more arrives."""
+        """Abort the request (its blocks are freed before the loop's next step); its last chunk, if anyone
+        reads on, has ``finish_reason`` "abort"."""
         if not self.cancelled and not self.done:
             self.cancelled = True
             self.loop._inbox.put(("cancel", self))
@@ -182,15 +190,23 @@ class EngineLoop:
         return max(0, self._outstanding - self.stats.get("running", 0))
 
     def stop(self) -> None:
-        """End every request (they get ``LoopStopped``) and park the thread for good; then run ``on_stop``."""
+        """End every request (they get ``LoopStopped``), park the thread for good and wait for it; then run
+        ``on_stop`` (once, whoever stops the loop first)."""
+        self.request_stop()
+        self.parked.wait()
+        with self._lock:
+            on_stop, self.on_stop = self.on_stop, None
+        if on_stop is not None:
+            on_stop()
+
+    def request_stop(self) -> bool:
+        """Begin to stop without waiting (safe in a signal handler or an event loop); False if already begun."""
         with self._lock:
             if self._stopping.is_set():
-                return
+                return False
             self._stopping.set()
             self._inbox.put(("stop", None))
-        self.parked.wait()
-        if self.on_stop is not None:
-            self.on_stop()
+        return True
 
     def _stop_at_exit(self) -> None:
         """``stop`` at exit: a second Ctrl-C while it waits ends the process at once, without C++ destructors,
@@ -221,7 +237,9 @@ class EngineLoop:
                 failures += 1
                 if failures >= MAX_STEP_FAILURES:
                     failures = 0
-                    self._fail_all(e)
+                    failed = StepFailed(f"the engine failed {MAX_STEP_FAILURES} steps in a row: {one_line(e)}")
+                    failed.__cause__ = e
+                    self._fail_all(failed)
                 continue
             self.num_steps += 1
             for chunk in chunks:
@@ -260,7 +278,7 @@ class EngineLoop:
 
     def _admit(self, submission: Submission) -> None:
         if submission.cancelled:
-            self._end(submission)
+            self._abandon(submission)
             return
         if self.engine is not None and submission.config != self.config:
             if self.engine.has_unfinished():
@@ -279,6 +297,7 @@ class EngineLoop:
         submission.request_id = request_id
         submission.prompt_tokens = len(self.engine.requests[request_id].prompt_token_ids)
         submission.block_size = self.engine.blocks.block_size
+        submission.tokenizer = self.engine.tokenizer
         self._active[request_id] = submission
         self.stats = self.engine.stats()
 
@@ -309,7 +328,7 @@ class EngineLoop:
             self.stats = self.engine.stats()
         elif submission in self._deferred:
             self._deferred.remove(submission)
-            self._end(submission)
+            self._abandon(submission)
 
     def _deliver(self, chunk: Optional[StreamChunk]) -> None:
         submission = chunk and self._active.get(chunk.request_id)
@@ -319,6 +338,11 @@ class EngineLoop:
         if chunk.finish_reason:
             del self._active[chunk.request_id]
             self._end(submission)
+
+    def _abandon(self, submission: Submission) -> None:
+        """End a submission cancelled before the engine took it (with no request id: it never had one)."""
+        submission._put(StreamChunk(request_id=-1, token_ids=[], text="", finish_reason="abort"))
+        self._end(submission)
 
     def _fail(self, submission: Submission, error: BaseException) -> None:
         submission._put(error)

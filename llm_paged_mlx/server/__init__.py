@@ -1,5 +1,7 @@
 """The OpenAI-compatible server: ``llm paged-mlx serve MODEL`` (or ``python -m llm_paged_mlx.server MODEL``)."""
 
+import signal
+
 import uvicorn
 
 from ..engine.loop import EngineLoop
@@ -9,17 +11,26 @@ __all__ = ["ServedModel", "create_app", "run"]
 
 
 def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes: int = 32 * 1024**2) -> None:
-    """Serve until Ctrl-C (or SIGTERM): then every request ends, open streams close, and this returns."""
+    """Serve until Ctrl-C or SIGTERM: then every request ends, open streams close, and this returns.
+
+    The engine loop is stopped at once (its streams end with a 503 error event) and
+    waited for at exit, where a second Ctrl-C ends the process without waiting.
+    """
     app = create_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    # uvicorn raises the signal it caught again once it has shut down: let SIGTERM, like SIGINT, end this
+    # call with KeyboardInterrupt rather than the process with status 143.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         _Server(config, served.loop).run()
-    except KeyboardInterrupt:  # uvicorn raises the signal it caught again once it has shut down
+    except KeyboardInterrupt:
         pass
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, whose exit signal also stops the engine loop, so that open streams end at once."""
+    """uvicorn's server, whose exit signal also begins to stop the engine loop, so that open streams end at once."""
 
     def __init__(self, config: uvicorn.Config, loop: EngineLoop):
         super().__init__(config)
@@ -27,4 +38,4 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        self.loop.stop()
+        self.loop.request_stop()  # never waits: this runs on the event loop's thread

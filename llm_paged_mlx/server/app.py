@@ -17,7 +17,7 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
@@ -83,17 +83,13 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request, error: RequestValidationError):
-        first = error.errors()[0]
-        where = ".".join(str(part) for part in first["loc"] if part != "body")
-        if first["type"] == "json_invalid":
-            message = "the body is not valid JSON"
-        else:
-            message = f"{where}: {first['msg']}" if where else "the body must be a JSON object"
-        return APIError(400, message, param=where or None).response()
+        return _invalid_body(request, error.errors()).response()
 
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
-        return APIError(error.status_code, str(error.detail), type="invalid_request_error").response()
+        response = APIError(error.status_code, str(error.detail)).response()
+        response.headers.update(error.headers or {})  # 405's Allow
+        return response
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):
@@ -130,7 +126,10 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
               responses={**_ERRORS, 200: _STREAM})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        messages = [{"role": m.role, "content": _text(m.text(), f"messages.{i}.content")}
+                    for i, m in enumerate(body.messages)]
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         top = body.top_logprobs if body.top_logprobs is not None else 0
         params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
         run = await start(lambda tokenizer: render_prompt(tokenizer, messages), params, request)
@@ -141,6 +140,8 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
     async def completions(body: CompletionRequest, request: Request):
         check_model(body.model)
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else body.prompt
+        if isinstance(prompt, str):
+            _text(prompt, "prompt")
         params = sampling(body, body.max_tokens, body.logprobs)
         run = await start(prompt, params, request)
         return await respond(run, body, request, "text_completion", "cmpl")
@@ -170,13 +171,16 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         return run
 
     async def respond(run: "_Run", body: SamplingFields, request: Request, kind: str, prefix: str):
-        ident, tokenizer = f"{prefix}-{uuid.uuid4().hex}", served.loop.engine.tokenizer
-        shape = _Shape(kind, ident, body.model, created=int(time.time()), tokenizer=tokenizer)
+        submission = run.submission
+        shape = _Shape(kind, f"{prefix}-{uuid.uuid4().hex}", body.model, created=int(time.time()),
+                       tokenizer=submission.tokenizer, logprobs=submission.params.logprobs is not None)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream(run, shape, include_usage), media_type="text/event-stream")
-        async with cancelled_on_disconnect(request, run.submission):
+        async with cancelled_on_disconnect(request, submission):
             chunks = [chunk async for chunk in run.rest()]
+        if chunks[-1].finish_reason == "abort":  # the client has gone: nobody reads an answer
+            return Response(status_code=499)
         return shape.whole(chunks, run.usage())
 
     async def stream(run: "_Run", shape: "_Shape", include_usage: bool) -> AsyncIterator[str]:
@@ -191,6 +195,59 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
             yield _event(e.body())
 
     return app
+
+
+def _invalid_body(request: Request, errors: list[dict]) -> APIError:
+    """The first of pydantic's errors as a 400 that names the field (not pydantic's names for union branches)."""
+    first = errors[0]
+    if first["type"] == "json_invalid":
+        return APIError(400, f"the body is not valid JSON: {first['ctx']['error']} at character {first['loc'][-1]}")
+    content_type = request.headers.get("content-type", "")
+    if first["loc"] == ("body",) and not content_type.startswith("application/json"):
+        return APIError(400, f"send the body as JSON with 'Content-Type: application/json' (not {content_type!r})")
+    path = _field_path(first["loc"][1:])
+    if not path:
+        return APIError(400, "the body must be a JSON object")
+    message = first["msg"]
+    if len(path) + 1 < len(first["loc"]):  # a union: report the branch that got furthest, else the forms
+        union = [e for e in errors if e["loc"][1:len(path) + 1] == path]
+        deepest = max(union, key=lambda e: len(e["loc"]))
+        if len(deepest["loc"]) > len(path) + 2:
+            path, message = path + _field_path(deepest["loc"][len(path) + 2:]), deepest["msg"]
+        else:
+            message = f"expected {_UNION_FORMS.get(path[-1], 'another kind of value')}"
+    where = ".".join(str(part) for part in path)
+    return APIError(400, f"{where}: {message}", param=where)
+
+
+def _field_path(loc: tuple) -> tuple:
+    """The fields and indexes of ``loc`` up to the first union branch pydantic names."""
+    path = []
+    for part in loc:
+        if isinstance(part, str) and (not part.isidentifier() or part in _BRANCH_NAMES):
+            break
+        path.append(part)
+    return tuple(path)
+
+
+# Union branches pydantic names after a type that is also a valid identifier.
+_BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "TextPart"}
+# How the union fields' accepted forms read.
+_UNION_FORMS = {
+    "prompt": "a string, a list of token ids, or a list of one string or one list of token ids",
+    "stop": "a string or a list of up to 4 non-empty strings",
+    "content": "a string or a list of text parts",
+}
+
+
+def _text(text: str, param: str) -> str:
+    """``text``, if it is valid Unicode (JSON can carry a lone surrogate, which no tokenizer encodes)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} holds a lone surrogate (\\u{ord(text[e.start]):04x}), which is not text",
+                       param=param) from None
+    return text
 
 
 @contextlib.asynccontextmanager
@@ -229,14 +286,16 @@ class _Run:
             raise APIError(400, one_line(e)) from None
         except TemplateError as e:
             raise APIError(400, f"the chat template rejects these messages: {one_line(e)}", param="messages") from None
+        except Exception as e:  # the server's failure, not the request's
+            raise _server_error(e) from None
 
     async def rest(self) -> AsyncIterator[StreamChunk]:
         try:
             while self.pending or self.final is None:
                 chunk = self.pending.pop(0) if self.pending else await self._next()
                 yield chunk
-        except LoopStopped:
-            raise APIError(503, "the server is shutting down", type="server_error") from None
+        except Exception as e:  # mid-stream: the stream ends with this error event
+            raise _server_error(e) from None
         finally:
             await self.chunks.aclose()  # a request left unfinished is cancelled
 
@@ -252,15 +311,28 @@ class _Run:
         self.generated += len(chunk.token_ids)
         if chunk.finish_reason:
             self.final = chunk
-            self.metrics.finished(now - self.submission.submitted, self.submission.prompt_tokens, self.generated,
+            self.metrics.finished(now - self.submission.submitted, self.prompt_tokens, self.generated,
                                   chunk.finish_reason)
         return chunk
 
+    @property
+    def prompt_tokens(self) -> int:
+        return self.submission.prompt_tokens or 0  # None: cancelled before the engine took (and tokenized) it
+
     def usage(self) -> dict:
-        prompt = self.submission.prompt_tokens
+        prompt = self.prompt_tokens
         cached = self.final.num_cached_tokens if self.final else 0
         return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": prompt + self.generated,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _server_error(error: Exception) -> APIError:
+    """What the client reads when the server, not its request, failed."""
+    if isinstance(error, APIError):
+        return error
+    if isinstance(error, LoopStopped):
+        return APIError(503, "the server is shutting down", type="server_error")
+    return APIError(500, f"the engine failed: {one_line(error)}", type="server_error")
 
 
 @dataclass
@@ -271,7 +343,9 @@ class _Shape:
     ident: str
     model: str
     created: int
-    tokenizer: object
+    tokenizer: object  # None: tokens are shown as their ids
+    logprobs: bool  # the request asked for them
+    text_offset: int = 0  # a completion's text so far, in characters, as the logprobs count them
 
     @property
     def chat(self) -> bool:
@@ -280,7 +354,7 @@ class _Shape:
     def whole(self, chunks: list[StreamChunk], usage: dict) -> dict:
         text = "".join(c.text or "" for c in chunks)
         logprobs = [lp for c in chunks for lp in c.logprobs or []]
-        choice = {"index": 0, "finish_reason": chunks[-1].finish_reason, "logprobs": self._logprobs(chunks, logprobs)}
+        choice = {"index": 0, "finish_reason": chunks[-1].finish_reason, "logprobs": self._logprobs(logprobs)}
         choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
         return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage}
@@ -291,7 +365,7 @@ class _Shape:
             reason, logprobs = None, None
         else:
             delta = {"content": chunk.text or ""}
-            reason, logprobs = chunk.finish_reason, self._logprobs([chunk], chunk.logprobs)
+            reason, logprobs = chunk.finish_reason, self._logprobs(chunk.logprobs or [])
         choice = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         choice.update({"delta": delta} if self.chat else {"text": delta["content"]})
         body = {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,
@@ -308,16 +382,16 @@ class _Shape:
     def _chunk_kind(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def _logprobs(self, chunks: list[StreamChunk], logprobs: Optional[list[TokenLogprob]]):
-        if logprobs is None:
+    def _logprobs(self, logprobs: list[TokenLogprob]):
+        if not self.logprobs:
             return None
         if self.chat:
             return {"content": [self._chat_entry(lp) for lp in logprobs]}
         tokens = [self._text(lp.token_id) for lp in logprobs]
-        offsets, at = [], 0
+        offsets = []
         for token in tokens:
-            offsets.append(at)
-            at += len(token)
+            offsets.append(self.text_offset)
+            self.text_offset += len(token)
         return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
                 "top_logprobs": [{self._text(t): v for t, v in lp.top} for lp in logprobs], "text_offset": offsets}
 

@@ -7,11 +7,21 @@ unknown fields are ignored, as OpenAI clients send fields of newer API versions.
 
 from typing import Annotated, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic_core import PydanticCustomError
 
 from ..engine.request import MAX_LOGPROBS
 
+
+
+def _not_a_bool(value):
+    if isinstance(value, bool):  # JSON's true is no integer (1.0 is: JSON Schema says so)
+        raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
+    return value
+
+
 PositiveInt = Annotated[int, Field(ge=1)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), BeforeValidator(_not_a_bool)]], Field(min_length=1)]
 StopStrings = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
 
 
@@ -34,7 +44,7 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: Optional[bool] = False
 
 
 class SamplingFields(BaseModel):
@@ -48,11 +58,12 @@ class SamplingFields(BaseModel):
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
     seed: Optional[int] = None
     stop: Optional[StopStrings] = None
-    stream: bool = False
+    # null is the default for every optional field, as OpenAI's API has it
+    stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    n: Literal[1] = Field(1, description="Only one choice per request is supported")
-    presence_penalty: Literal[0, 0.0] = Field(0, description="Penalties are not supported: 0 only")
-    frequency_penalty: Literal[0, 0.0] = Field(0, description="Penalties are not supported: 0 only")
+    n: Optional[Literal[1]] = Field(1, description="Only one choice per request is supported")
+    presence_penalty: Optional[Literal[0, 0.0]] = Field(0, description="Penalties are not supported: 0 only")
+    frequency_penalty: Optional[Literal[0, 0.0]] = Field(0, description="Penalties are not supported: 0 only")
     user: Optional[str] = None
 
     def stops(self) -> Optional[list[str]]:
@@ -62,7 +73,7 @@ class SamplingFields(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
-    logprobs: bool = False
+    logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     tools: Optional[Annotated[list, Field(max_length=0)]] = Field(None, description="Tool calling is not supported")
     response_format: Optional[dict[Literal["type"], Literal["text"]]] = Field(
@@ -73,12 +84,12 @@ class ChatCompletionRequest(SamplingFields):
 class CompletionRequest(SamplingFields):
     prompt: Union[
         str,
-        Annotated[list[int], Field(min_length=1)],
+        TokenIds,
         Annotated[list[str], Field(min_length=1, max_length=1)],
-        Annotated[list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=1)],
+        Annotated[list[TokenIds], Field(min_length=1, max_length=1)],
     ]
     logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
-    echo: Literal[False] = Field(False, description="Echoing the prompt is not supported")
+    echo: Optional[Literal[False]] = Field(False, description="Echoing the prompt is not supported")
     suffix: Optional[Literal[""]] = Field(None, description="Suffixes are not supported")
 
 
