@@ -251,6 +251,30 @@ def test_stop_can_be_asked_without_waiting_and_on_stop_runs_once():
     assert loop.parked.is_set() and stopped == [1]
 
 
+def test_a_stop_ends_the_readers_at_once_even_during_a_long_step(monkeypatch):
+    loop = tiny_loop()
+    in_step, release, step = threading.Event(), threading.Event(), Engine.step
+
+    def long_step(engine):
+        in_step.set()
+        release.wait()
+        return step(engine)
+
+    monkeypatch.setattr(Engine, "step", long_step)
+    waiting = loop.submit([1, 2], SamplingParams(max_tokens=4))
+    in_step.wait()
+
+    def read():
+        with pytest.raises(LoopStopped):
+            tokens_of(waiting)
+        return True
+
+    loop.request_stop()
+    assert read_within(read, timeout=10)  # while the step still runs
+    release.set()
+    loop.stop()
+
+
 def test_a_failed_build_reaches_its_request_and_the_next_one_builds_again():
     attempts = []
 

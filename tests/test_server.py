@@ -4,6 +4,7 @@ The model is SmolLM2 (tests/smollm2.py); texts are compared with mlx-lm's greedy
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -171,8 +172,29 @@ def test_stop_strings_and_seeded_sampling(client):
     assert sampled[0] == sampled[1]
 
 
+def test_prompts_are_tokenized_off_the_loops_thread(client, monkeypatch):
+    """A long prompt's tokenization (or chat template) must not hold up the loop and every running request."""
+    from llm_paged_mlx.server import app
+
+    threads = []
+    for name in ("encode_text", "render_prompt"):
+        original = getattr(app, name)
+
+        def recorded(*args, original=original):
+            threads.append(threading.current_thread().name)
+            return original(*args)
+
+        monkeypatch.setattr(app, name, recorded)
+    client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2)
+    client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=2)
+    assert len(threads) == 2 and all(t != "llm-paged-mlx" and t != threading.main_thread().name for t in threads), threads
+
+
 def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL, "smol"]
+    assert client.models.retrieve("smol").id == "smol"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4o")
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
 
 
@@ -251,7 +273,7 @@ def test_malformed_bodies_are_400(server):
         assert_error(post(server, "/v1/chat/completions", body), 400, field)
     image = [{"type": "image_url", "image_url": {"url": "http://x"}}]
     assert_error(post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": image}]}), 400)
-    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400, "prompt")
+    assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": ["a", "b"]}), 400, "one prompt a request")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": [10**9]}), 400, "vocabulary")
     assert_error(post(server, "/v1/completions", {"model": MODEL, "prompt": {"a": 1}}), 400,
                  "prompt: expected a string, a list of token ids")  # not pydantic's names for the union's branches
@@ -440,11 +462,11 @@ def test_a_request_waiting_when_the_server_stops_gets_503():
         call = asyncio.create_task(asgi_call(app, "/v1/completions", {"model": "tiny", "prompt": [1], "max_tokens": 2}))
         await asyncio.to_thread(building.wait)
         loop.request_stop()
-        release.set()
-        return await asyncio.wait_for(call, 30)
+        return await asyncio.wait_for(call, 30)  # at once, though the loop's thread is still busy
 
     status, body = asyncio.run(stopped_while_waiting())
     assert status == 503 and json.loads(body)["error"]["message"] == "the server is shutting down"
+    release.set()
     loop.stop()
 
 
@@ -494,6 +516,31 @@ def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
         process.kill()
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "Serving paged-smollm2 on http://127.0.0.1" in stderr
+
+
+def test_a_second_ctrl_c_ends_the_server_at_once(tmp_path):
+    port = free_port()
+    process = serve_process(tmp_path, "paged-smollm2", "--port", port, "-o", "kv_budget", "256MB",
+                            "-o", "max_num_batched_tokens", 4096)
+    try:
+        wait_for_health(process, port)
+        long_prompt = {"model": "paged-smollm2", "prompt": "Paris is lovely. " * 800, "max_tokens": 400}
+        threading.Thread(target=lambda: post_to(port, long_prompt), daemon=True).start()
+        time.sleep(1.0)  # its prefill is running
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert time.monotonic() - second < 5 and process.returncode in (0, 130), stderr  # 130: during a step
+    assert "Traceback" not in stderr, stderr
+
+
+def post_to(port: int, body: dict):
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
 
 
 @pytest.mark.parametrize("args, words", [

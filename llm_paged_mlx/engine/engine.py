@@ -629,8 +629,7 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer; pass token ids or give the engine a tokenizer")
-            bos = getattr(self.tokenizer, "bos_token", None)
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=not (bos and prompt.startswith(bos)))
+            token_ids = encode_text(self.tokenizer, prompt)
         else:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
@@ -650,3 +649,9 @@ class Engine:
         output.finish_reason = chunk.finish_reason
         output.num_cached_tokens = chunk.num_cached_tokens
         output.num_disk_cached_tokens = chunk.num_disk_cached_tokens
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids, as the engine takes them (with the tokenizer's BOS unless the text has it)."""
+    bos = getattr(tokenizer, "bos_token", None)
+    return tokenizer.encode(text, add_special_tokens=not (bos and text.startswith(bos)))

@@ -148,12 +148,13 @@ class EngineLoop:
         self.on_stop = on_stop
         self.engine = None
         self.config: Hashable = None
+        self.tokenizer = None  # the engine's, once built: for callers that tokenize off the loop's thread
         self.stats: dict = {}  # the engine's stats after its last step (read from any thread)
         self.num_steps = 0
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, Submission] = {}  # request id -> submission, on the loop's thread
         self._deferred: list[Submission] = []  # waiting for the engine to be rebuilt with their config
-        self._outstanding = 0  # submitted and not yet finished
+        self._outstanding: set[Submission] = set()  # submitted and not yet finished
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self.parked = threading.Event()  # the thread has left MLX for good
@@ -170,8 +171,8 @@ class EngineLoop:
             waiting = self.num_waiting()
             if self.max_waiting is not None and waiting >= self.max_waiting:
                 raise QueueFull(f"{waiting} requests are waiting (the most this loop queues)")
-            self._outstanding += 1
             submission = Submission(self, prompt, params or SamplingParams(), config)
+            self._outstanding.add(submission)
             self._inbox.put(("submit", submission))  # under the lock: never after stop's marker
         return submission
 
@@ -187,7 +188,7 @@ class EngineLoop:
 
     def num_waiting(self) -> int:
         """Requests submitted and not yet in the engine's running batch."""
-        return max(0, self._outstanding - self.stats.get("running", 0))
+        return max(0, len(self._outstanding) - self.stats.get("running", 0))
 
     def stop(self) -> None:
         """End every request (they get ``LoopStopped``), park the thread for good and wait for it; then run
@@ -200,19 +201,25 @@ class EngineLoop:
             on_stop()
 
     def request_stop(self) -> bool:
-        """Begin to stop without waiting (safe in a signal handler or an event loop); False if already begun."""
+        """Begin to stop without waiting (safe in a signal handler or an event loop); False if already begun.
+
+        Every request's reader gets ``LoopStopped`` at once, not when the step in progress ends.
+        """
         with self._lock:
             if self._stopping.is_set():
                 return False
             self._stopping.set()
             self._inbox.put(("stop", None))
+            outstanding = list(self._outstanding)
+        for submission in outstanding:
+            submission._put(_stopped())
         return True
 
     def _stop_at_exit(self) -> None:
         """``stop`` at exit: a second Ctrl-C while it waits ends the process at once, without C++ destructors,
         rather than tear it down under MLX; once the thread is parked, Ctrl-C is ignored so ``on_stop``
         (closing caches) finishes. SIG_IGN outlives the interpreter's reset of its handlers."""
-        signal.signal(signal.SIGINT, _exit_now)
+        signal.signal(signal.SIGINT, exit_at_once)
         self.stop()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
@@ -245,7 +252,7 @@ class EngineLoop:
             for chunk in chunks:
                 self._deliver(chunk)
             self.stats = self.engine.stats()
-        stopped = LoopStopped("the engine loop stopped (the process is exiting)")
+        stopped = _stopped()
         self._fail_all(stopped)
         self.engine = None
         with contextlib.suppress(queue.Empty):
@@ -314,6 +321,7 @@ class EngineLoop:
         self.engine = None  # its KV pool goes before the new engine allocates one
         self.engine = self.build(config, weights)
         self.config = config
+        self.tokenizer = self.engine.tokenizer
         self.stats = self.engine.stats()
 
     def _admit_deferred(self) -> None:
@@ -363,10 +371,15 @@ class EngineLoop:
 
     def _end(self, submission: Submission) -> None:
         with self._lock:
-            self._outstanding -= 1
+            self._outstanding.discard(submission)
 
 
-def _exit_now(signum, frame):
+def _stopped() -> LoopStopped:
+    return LoopStopped("the engine loop stopped (the process is exiting)")
+
+
+def exit_at_once(signum, frame):
+    """A signal handler that ends the process now, without C++ destructors (which would run under MLX)."""
     with contextlib.suppress(Exception):  # a closed or broken stdout
         sys.stdout.flush()
     os._exit(128 + signum)

@@ -4,7 +4,7 @@ import signal
 
 import uvicorn
 
-from ..engine.loop import EngineLoop
+from ..engine.loop import EngineLoop, exit_at_once
 from .app import ServedModel, create_app
 
 __all__ = ["ServedModel", "create_app", "run"]
@@ -14,7 +14,7 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     """Serve until Ctrl-C or SIGTERM: then every request ends, open streams close, and this returns.
 
     The engine loop is stopped at once (its streams end with a 503 error event) and
-    waited for at exit, where a second Ctrl-C ends the process without waiting.
+    waited for at exit; a second Ctrl-C or SIGTERM ends the process without waiting.
     """
     app = create_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
@@ -30,7 +30,8 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, whose exit signal also begins to stop the engine loop, so that open streams end at once."""
+    """uvicorn's server, whose exit signal also begins to stop the engine loop, so that open streams end at once;
+    a second signal ends the process."""
 
     def __init__(self, config: uvicorn.Config, loop: EngineLoop):
         super().__init__(config)
@@ -39,3 +40,5 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
         self.loop.request_stop()  # never waits: this runs on the event loop's thread
+        for second in (signal.SIGINT, signal.SIGTERM):  # uvicorn puts back the handlers it replaced when it ends
+            signal.signal(second, exit_at_once)

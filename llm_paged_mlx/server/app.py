@@ -22,6 +22,7 @@ from jinja2 import TemplateError
 from starlette.exceptions import HTTPException
 
 from ..chat import render_prompt
+from ..engine.engine import encode_text
 from ..engine.loop import EngineLoop, LoopStopped, QueueFull
 from ..engine.output import StreamChunk, TokenLogprob
 from ..engine.request import SamplingParams
@@ -34,6 +35,7 @@ from .schemas import (
     Completion,
     CompletionRequest,
     ErrorBody,
+    ModelCard,
     ModelList,
     SamplingFields,
 )
@@ -117,10 +119,17 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
     async def prometheus():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def card(name: str) -> dict:
+        return {"id": name, "object": "model", "created": created, "owned_by": "llm-paged-mlx"}
+
     @app.get("/v1/models", dependencies=[Depends(authorized)], response_model=ModelList, responses=_ERRORS)
     async def models():
-        entry = {"object": "model", "created": created, "owned_by": "llm-paged-mlx"}
-        return {"object": "list", "data": [{"id": name, **entry} for name in (served.model_id, *served.aliases)]}
+        return {"object": "list", "data": [card(name) for name in (served.model_id, *served.aliases)]}
+
+    @app.get("/v1/models/{model}", dependencies=[Depends(authorized)], response_model=ModelCard, responses=_ERRORS)
+    async def model(model: str):
+        check_model(model)
+        return card(model)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)], response_model=ChatCompletion,
               responses={**_ERRORS, 200: _STREAM})
@@ -159,6 +168,7 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
 
     async def start(prompt, params: SamplingParams, request: Request) -> "_Run":
         """Submit the request and wait for its first chunk, so that an error in the prompt is a 4xx response."""
+        prompt = await tokenized(prompt)
         try:
             submission = served.loop.submit(prompt, params, served.config)
         except QueueFull as e:
@@ -169,6 +179,18 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         async with cancelled_on_disconnect(request, submission):
             await run.first()
         return run
+
+    async def tokenized(prompt):
+        """The prompt's token ids, made on a worker thread so that a long prompt or chat does not hold up the
+        loop's thread (and every running request with it); before the engine is built, the loop makes them."""
+        tokenizer = served.loop.tokenizer
+        if tokenizer is None or isinstance(prompt, list):
+            return prompt
+        try:
+            encode = prompt if callable(prompt) else lambda tokenizer: encode_text(tokenizer, prompt)  # chat or text
+            return await asyncio.to_thread(encode, tokenizer)
+        except Exception as e:
+            raise _request_error(e) from None
 
     async def respond(run: "_Run", body: SamplingFields, request: Request, kind: str, prefix: str):
         submission = run.submission
@@ -212,6 +234,9 @@ def _invalid_body(request: Request, errors: list[dict]) -> APIError:
     if len(path) + 1 < len(first["loc"]):  # a union: report the branch that got furthest, else the forms
         union = [e for e in errors if e["loc"][1:len(path) + 1] == path]
         deepest = max(union, key=lambda e: len(e["loc"]))
+        batch = first["input"]
+        if path == ("prompt",) and isinstance(batch, list) and len(batch) > 1 and all(isinstance(p, (str, list)) for p in batch):
+            return APIError(400, f"prompt: one prompt a request, not a batch of {len(batch)}", param="prompt")
         if len(deepest["loc"]) > len(path) + 2:
             path, message = path + _field_path(deepest["loc"][len(path) + 2:]), deepest["msg"]
         else:
@@ -282,12 +307,8 @@ class _Run:
         """Wait for the first chunk; a request error (a prompt that does not fit) is raised as a 400."""
         try:
             self.pending.append(await self._next())
-        except (ValueError, TypeError) as e:
-            raise APIError(400, one_line(e)) from None
-        except TemplateError as e:
-            raise APIError(400, f"the chat template rejects these messages: {one_line(e)}", param="messages") from None
-        except Exception as e:  # the server's failure, not the request's
-            raise _server_error(e) from None
+        except Exception as e:
+            raise _request_error(e) from None
 
     async def rest(self) -> AsyncIterator[StreamChunk]:
         try:
@@ -324,6 +345,15 @@ class _Run:
         cached = self.final.num_cached_tokens if self.final else 0
         return {"prompt_tokens": prompt, "completion_tokens": self.generated, "total_tokens": prompt + self.generated,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _request_error(error: Exception) -> APIError:
+    """What the client reads when its request cannot run: a 400, unless the server, not the request, failed."""
+    if isinstance(error, TemplateError):
+        return APIError(400, f"the chat template rejects these messages: {one_line(error)}", param="messages")
+    if isinstance(error, (ValueError, TypeError)):
+        return APIError(400, one_line(error))
+    return _server_error(error)
 
 
 def _server_error(error: Exception) -> APIError:
