@@ -21,8 +21,8 @@ are slow and barely gain from batching), so a quantized folder would measure tha
 GPU (H200): a random-weight Qwen3-0.6B-shaped bf16 model (but SmolLM2's tokenizer and its 49,152-token
 vocabulary), saved to a folder first, then served by both:
     python benchmarks/serving.py --model SMOLLM2_FOLDER --save-random-qwen3 /tmp/qwen3-random \\
-        --clients 64,256 --max-tokens 128 --client-processes 8 --mlx-lm-decode-concurrency 32,256 \\
-        --option kv_budget=40GB
+        --clients 64,256 --max-tokens 128 --requests-per-client 4 --client-processes 8 \\
+        --mlx-lm-decode-concurrency 256 --option kv_budget=40GB
 Options: --servers paged,mlx_lm (one or both), --option key=value (repeatable; our server's
 ``-o key value``), --mlx-lm-decode-concurrency N[,N...] (one mlx_lm.server run per value; ours is
 compared with the fastest), --json OUT (also write the results as JSON). A failed request (a reset

@@ -116,6 +116,10 @@ def _check_unused(name: str) -> None:
 
 API_KEY_ENV = "LLM_PAGED_MLX_API_KEY"
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
+# A server's engine options where -o does not set them: as many sequences in a step as vLLM's default, and no
+# KV disk tier (a server keeps its prefix cache in memory; writing every finished request's K/V to disk costs
+# a server with many clients much of its throughput: benchmarks/RESULTS.md).
+SERVE_DEFAULTS = {"max_num_seqs": "256", "kv_disk_budget": "0"}
 
 
 @paged_mlx.command()
@@ -124,7 +128,8 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to listen on")
 @click.option("--api-key", envvar=API_KEY_ENV, help=f"Require this bearer token on /v1 (or set ${API_KEY_ENV})")
 @click.option("options", "-o", "--option", type=(str, str), multiple=True,
-              help="A model option, e.g. -o kv_budget 4GB; sampling options set request defaults")
+              help="A model option, e.g. -o kv_budget 4GB; sampling options set request defaults. "
+                   "Unlike llm's, max_num_seqs defaults to 256 and kv_disk_budget to 0 (no disk tier)")
 @click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(1),
               help="Requests that may wait for the engine; more get 503")
 @click.option("--max-body", default="32MB", show_default=True, help="Largest request body")
@@ -133,8 +138,8 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body):
     from .server import run
 
     try:
-        served = _served_model(model_id, dict(options), max_waiting)
         max_body_bytes = parse_size(max_body)
+        served = _served_model(model_id, dict(options), max_waiting)
     except (ValueError, ModelLoadError) as e:
         raise click.ClickException(one_line(e))
     if host not in LOCAL_HOSTS and not api_key:
@@ -167,7 +172,7 @@ def _served_model(name: str, options: dict, max_waiting: int):
     else:
         raise ValueError(f"{name} is neither a model of llm-paged-mlx nor a model folder (see: llm paged-mlx list)")
     try:
-        parsed = PagedOptions(**options)
+        parsed = PagedOptions(**{**SERVE_DEFAULTS, **options})
     except ValidationError as e:
         first = e.errors()[0]
         raise ValueError(f"option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None

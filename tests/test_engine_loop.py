@@ -1,8 +1,11 @@
 """The engine loop: requests from many threads and coroutines share one engine's steps on the loop's thread."""
 
 import asyncio
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 from faults import Fault
@@ -10,7 +13,7 @@ from models import tiny_model
 from test_engine import random_prompts, reference
 
 from llm_paged_mlx import Engine, SamplingParams
-from llm_paged_mlx.engine.loop import MAX_STEP_FAILURES, EngineLoop, LoopStopped, QueueFull, StepFailed
+from llm_paged_mlx.engine.loop import EXIT_WAIT_S, MAX_STEP_FAILURES, EngineLoop, LoopStopped, QueueFull, StepFailed
 
 
 def tiny_loop(num_blocks=64, built=None, **loop_options) -> EngineLoop:
@@ -289,3 +292,28 @@ def test_a_failed_build_reaches_its_request_and_the_next_one_builds_again():
         tokens_of(loop.submit([1, 2]))
     assert tokens_of(loop.submit([1, 2], SamplingParams(max_tokens=3))) == reference(tiny_model("llama"), [1, 2], 3)
     loop.stop()
+
+
+STEP_THAT_NEVER_ENDS = """
+import threading
+from test_engine_loop import tiny_loop
+from llm_paged_mlx import Engine, SamplingParams
+
+in_step = threading.Event()
+def never_ends(engine):
+    in_step.set()
+    threading.Event().wait()
+Engine.step = never_ends
+tiny_loop().submit([1, 2], SamplingParams(max_tokens=4))
+assert in_step.wait(60)
+"""  # and the script ends: the process exits with the loop's thread in a step
+
+
+def test_an_exit_does_not_wait_past_its_bound_for_a_step_that_does_not_end():
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", STEP_THAT_NEVER_ENDS], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).parent)
+    took = time.monotonic() - started
+    assert run.returncode == 130, run.stderr  # ended by the loop, without C++ destructors
+    assert "did not end within" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert EXIT_WAIT_S <= took < EXIT_WAIT_S + 30, took

@@ -4,6 +4,7 @@ The model is SmolLM2 (tests/smollm2.py); texts are compared with mlx-lm's greedy
 """
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -27,7 +28,8 @@ from test_plugin import FRANCE, loaded, mlx_lm_answer
 
 from llm_paged_mlx import Engine, SamplingParams, engines
 from llm_paged_mlx.catalog import CACHE_ENV
-from llm_paged_mlx.engine.loop import EngineLoop
+from llm_paged_mlx.engine.disk.admin import block_files
+from llm_paged_mlx.engine.loop import EXIT_WAIT_S, EngineLoop
 from llm_paged_mlx.options import PagedOptions, engine_options
 from llm_paged_mlx.server import ServedModel, create_app
 
@@ -130,6 +132,19 @@ def test_streamed_chat_gives_the_same_text_and_usage_last(client):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
     assert not chunks[-1].choices and chunks[-1].usage.completion_tokens == 20
     assert all(c.usage is None for c in chunks[:-1])
+
+
+@pytest.mark.parametrize("kind", ["chat.completion", "text_completion"])
+@pytest.mark.parametrize("usage", [False, True])
+def test_a_text_chunks_event_is_the_whole_chunk_encoded(kind, usage):
+    from llm_paged_mlx.engine.output import StreamChunk
+    from llm_paged_mlx.server.app import _event, _Shape
+
+    for model in ["a \"model\"\n", "\x00"]:
+        shape = _Shape(kind, "id-1", model, created=7, tokenizer=None, logprobs=False)
+        for text in ["", " Paris", 'say "hi"\n\\', "\x00 \u2028 é 😀", None]:
+            chunk = StreamChunk(3, [5], text)
+            assert shape.event(chunk, usage) == _event(shape.chunk(chunk, usage=usage))
 
 
 def test_completions_plain_and_streamed(client):
@@ -515,6 +530,66 @@ def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
         process.kill()
     assert process.returncode == 0, stderr
     assert "Traceback" not in stderr and "Serving paged-smollm2 on http://127.0.0.1" in stderr
+    assert not disk_blocks(tmp_path)  # a server has no disk tier unless asked
+
+
+SIGNAL_INSIDE_SUBMIT = """
+import asyncio, signal
+import uvicorn
+from llm_paged_mlx.engine.loop import EngineLoop, exit_at_once
+from llm_paged_mlx.server import _Server
+
+loop = EngineLoop(lambda config, weights: None)
+server = _Server(uvicorn.Config(app=None), loop)
+
+async def signalled_inside_submit():
+    with loop._lock:  # as ``submit`` holds it when the handler interrupts it
+        server.handle_exit(signal.SIGINT, None)
+    await asyncio.sleep(0)
+
+asyncio.run(signalled_inside_submit())
+assert loop.parked.wait(10) and server.should_exit  # the stop began once the handler had returned
+assert signal.getsignal(signal.SIGINT) is exit_at_once  # and a second signal ends the process
+"""
+
+
+def test_an_exit_signal_that_lands_inside_submit_does_not_deadlock():
+    run = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_SUBMIT], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stderr
+
+
+def test_ctrl_c_twice_during_a_long_step_ends_the_server_promptly(tmp_path):
+    port = free_port()
+    process = serve_process(tmp_path, "paged-smollm2", "--port", port, "-o", "kv_budget", "256MB",
+                            "-o", "max_num_batched_tokens", 4096)
+    try:
+        wait_for_health(process, port)
+        long_prompt = {"model": "paged-smollm2", "prompt": "Paris is lovely. " * 800, "max_tokens": 400}
+        threading.Thread(target=lambda: post_to(port, long_prompt), daemon=True).start()
+        time.sleep(1.0)  # its prefill (one long step) is running
+        process.send_signal(signal.SIGINT)
+        time.sleep(0.2)
+        process.send_signal(signal.SIGINT)
+        second = time.monotonic()
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    # The second signal's handler exits at once (test_an_exit_signal_that_lands_inside_submit_does_not_deadlock
+    # checks that it is installed); on a loaded machine both signals can reach Python as one, and then the
+    # exit waits for the step at most EXIT_WAIT_S. 130: ended during the step.
+    assert time.monotonic() - second < EXIT_WAIT_S + 5 and process.returncode in (0, 130), stderr
+    assert "Traceback" not in stderr, stderr
+
+
+def disk_blocks(tmp_path) -> list:
+    """The KV disk tier's block files in the user folder of ``serve_process``."""
+    folder = tmp_path / "llm" / "paged-mlx" / "kv-cache"
+    return block_files(folder) if folder.exists() else []
+
+
+def post_to(port: int, body: dict):
+    with contextlib.suppress(httpx.HTTPError):
+        httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60)
 
 
 @pytest.mark.parametrize("args, words", [
@@ -531,14 +606,18 @@ def test_serve_command_errors(tmp_path, args, words):
 
 def test_serving_beyond_this_machine_without_a_key_warns_and_sigterm_stops_it_cleanly(tmp_path):
     port = free_port()
-    process = serve_process(tmp_path, "paged-smollm2", "--host", "0.0.0.0", "--port", port, "-o", "kv_budget", "64MB")
+    process = serve_process(tmp_path, "paged-smollm2", "--host", "0.0.0.0", "--port", port, "-o", "kv_budget", "64MB",
+                            "-o", "kv_disk_budget", "64MB")
     try:
         wait_for_health(process, port)
+        httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
+                   json={"model": "paged-smollm2", "messages": chat("Tell me about Paris. " * 4), "max_tokens": 8})
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
     assert "without an API key" in stderr and process.returncode == 0 and "Traceback" not in stderr, stderr
+    assert disk_blocks(tmp_path)  # -o kv_disk_budget turns the disk tier on
 
 
 def wait_for_health(process: subprocess.Popen, port: int, timeout: float = 240) -> None:

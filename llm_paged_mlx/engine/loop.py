@@ -12,7 +12,8 @@ The thread never ends. The process must not tear down while it is inside MLX
 SIGSEGV), nor right after it has ended (its C++ thread-locals may still be being
 destroyed: a joined MLX thread aborts the exit now and then). So ``stop`` (run at
 exit, before MLX's own exit hooks) ends every request and waits until the thread
-has left MLX for good and is parked.
+has left MLX for good and is parked; if a step keeps it in MLX past ``EXIT_WAIT_S``,
+the process ends without running C++ destructors at all.
 """
 
 import asyncio
@@ -37,6 +38,8 @@ LoopPrompt = Union[str, list[int], Callable[[object], Union[str, list[int]]]]
 # Consecutive failed steps after which the requests in the engine get the error (a step that fails once is
 # undone by the engine and tried again; one that keeps failing would otherwise spin forever).
 MAX_STEP_FAILURES = 3
+# How long the exit waits for a running step to end before it ends the process without it.
+EXIT_WAIT_S = 3.0
 
 
 class LoopStopped(RuntimeError):
@@ -201,7 +204,8 @@ class EngineLoop:
             on_stop()
 
     def request_stop(self) -> bool:
-        """Begin to stop without waiting (safe in a signal handler or an event loop); False if already begun.
+        """Begin to stop without waiting for the thread (fit for an event loop's thread); False if already begun.
+        Not from a signal handler: it takes the lock that ``submit`` holds.
 
         Every request's reader gets ``LoopStopped`` at once, not when the step in progress ends.
         """
@@ -216,12 +220,23 @@ class EngineLoop:
         return True
 
     def _stop_at_exit(self) -> None:
-        """``stop`` at exit: a second Ctrl-C while it waits ends the process at once, without C++ destructors,
-        rather than tear it down under MLX; once the thread is parked, Ctrl-C is ignored so ``on_stop``
-        (closing caches) finishes. SIG_IGN outlives the interpreter's reset of its handlers."""
+        """``stop`` at exit, rather than tear the process down under MLX.
+
+        A step that runs on past ``EXIT_WAIT_S`` (a long prefill on a CPU), or a second Ctrl-C while it
+        waits, ends the process at once with status 130, as an interrupt would: without C++ destructors,
+        ``on_stop`` (closing the disk tier: its queued writes and hit counts are lost, a cache's) or the
+        exit hooks registered before this one. Once the thread is parked, Ctrl-C is ignored so that
+        ``on_stop`` finishes; SIG_IGN outlives the interpreter's reset of its handlers.
+        """
         signal.signal(signal.SIGINT, exit_at_once)
-        self.stop()
+        self.request_stop()
+        if not self.parked.wait(EXIT_WAIT_S):
+            with contextlib.suppress(Exception):  # a closed or broken stderr
+                print(f"llm-paged-mlx: the engine's step did not end within {EXIT_WAIT_S:g} s of the exit; "
+                      "exiting without waiting for it", file=sys.stderr, flush=True)
+            exit_at_once(signal.SIGINT, None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self.stop()
 
     # -- the loop's thread ----------------------------------------------------------
 

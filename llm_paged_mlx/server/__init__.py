@@ -1,6 +1,8 @@
 """The OpenAI-compatible server: ``llm paged-mlx serve MODEL`` (or ``python -m llm_paged_mlx.server MODEL``)."""
 
+import asyncio
 import signal
+import sys
 
 import uvicorn
 
@@ -8,6 +10,8 @@ from ..engine.loop import EngineLoop, exit_at_once
 from .app import ServedModel, create_app
 
 __all__ = ["ServedModel", "create_app", "run"]
+
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes: int = 32 * 1024**2) -> None:
@@ -21,12 +25,17 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     # uvicorn raises the signal it caught again once it has shut down: let SIGTERM, like SIGINT, end this
     # call with KeyboardInterrupt rather than the process with status 143.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # The event loop's thread and the engine loop's take turns at the GIL; by default a thread that waits for it
+    # gets it after 5 ms, which the engine loop, waking from the device every step, would wait at each step.
+    switch_interval = sys.getswitchinterval()
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         _Server(config, served.loop).run()
     except KeyboardInterrupt:
         pass
     finally:
         signal.signal(signal.SIGTERM, previous)
+        sys.setswitchinterval(switch_interval)
 
 
 class _Server(uvicorn.Server):
@@ -39,6 +48,8 @@ class _Server(uvicorn.Server):
 
     def handle_exit(self, sig, frame) -> None:
         super().handle_exit(sig, frame)
-        self.loop.request_stop()  # never waits: this runs on the event loop's thread
         for second in (signal.SIGINT, signal.SIGTERM):  # uvicorn puts back the handlers it replaced when it ends
             signal.signal(second, exit_at_once)
+        # The handler may have interrupted this thread inside the engine loop's lock (in ``submit``): the stop,
+        # which takes that lock, begins once the handler has returned.
+        asyncio.get_running_loop().call_soon_threadsafe(self.loop.request_stop)

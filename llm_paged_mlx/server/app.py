@@ -173,8 +173,8 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
             submission = served.loop.submit(prompt, params, served.config)
         except QueueFull as e:
             raise APIError(503, f"the server is busy: {e}; try again later", type="server_error") from None
-        except LoopStopped:
-            raise APIError(503, "the server is shutting down", type="server_error") from None
+        except LoopStopped as e:
+            raise _server_error(e) from None
         run = _Run(submission, metrics)
         async with cancelled_on_disconnect(request, submission):
             await run.first()
@@ -209,7 +209,7 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         try:
             yield _event(shape.chunk(None, first=True, usage=include_usage))
             async for chunk in run.rest():
-                yield _event(shape.chunk(chunk, usage=include_usage))
+                yield shape.event(chunk, usage=include_usage)
             if include_usage:
                 yield _event(shape.usage_chunk(run.usage()))
             yield "data: [DONE]\n\n"
@@ -376,6 +376,7 @@ class _Shape:
     tokenizer: object  # None: tokens are shown as their ids
     logprobs: bool  # the request asked for them
     text_offset: int = 0  # a completion's text so far, in characters, as the logprobs count them
+    _template: Optional[tuple[str, str]] = field(default=None, repr=False)  # see event()
 
     @property
     def chat(self) -> bool:
@@ -403,6 +404,18 @@ class _Shape:
         if usage:
             body["usage"] = None
         return body
+
+    def event(self, chunk: StreamChunk, usage: bool) -> str:
+        """``chunk`` as a stream event (``usage``: the same for every chunk of a stream). Most events carry text
+        alone: a template (made once, by ``chunk``) around the text's JSON, which costs the server's thread a
+        fraction of encoding the whole chunk for each token."""
+        if self.logprobs or chunk.finish_reason:
+            return _event(self.chunk(chunk, usage=usage))
+        if self._template is None:  # the text is the last string in the chunk: what follows it holds no string
+            head, _, tail = _event(self.chunk(StreamChunk(0, [], _MARK), usage=usage)).rpartition(json.dumps(_MARK))
+            self._template = head, tail
+        head, tail = self._template
+        return head + json.dumps(chunk.text or "") + tail
 
     def usage_chunk(self, usage: dict) -> dict:
         return {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,
@@ -436,6 +449,9 @@ class _Shape:
 
     def _text(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else str(token_id)
+
+
+_MARK = "\x00"  # where a template's text goes
 
 
 def _event(body: dict) -> str:

@@ -46,28 +46,32 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_EngineCollector(loop, model_name))
         common = {"labelnames": ["model_name"], "registry": self.registry}
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, **common)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS, **common)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", buckets=REQUEST_BUCKETS, **common)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", **common)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", **common)
+        # This model's series, looked up once: the server records some for every token.
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS,
+                              **common).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens", buckets=LATENCY_BUCKETS,
+                             **common).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request latency", buckets=REQUEST_BUCKETS,
+                             **common).labels(model_name)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests", **common).labels(model_name)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Generated tokens", **common).labels(model_name)
         self.success = Counter(
             "vllm:request_success", "Finished requests by finish reason",
             labelnames=["model_name", "finished_reason"], registry=self.registry,
         )
 
     def first_token(self, seconds: float) -> None:
-        self.ttft.labels(self.model_name).observe(seconds)
+        self.ttft.observe(seconds)
 
     def next_token(self, seconds: float, tokens: int) -> None:
         """A chunk of ``tokens`` tokens came ``seconds`` after the previous one."""
         for _ in range(tokens):
-            self.itl.labels(self.model_name).observe(seconds / tokens)
+            self.itl.observe(seconds / tokens)
 
     def finished(self, seconds: float, prompt_tokens: int, generated: int, reason: str) -> None:
-        self.e2e.labels(self.model_name).observe(seconds)
-        self.prompt_tokens.labels(self.model_name).inc(prompt_tokens)
-        self.generation_tokens.labels(self.model_name).inc(generated)
+        self.e2e.observe(seconds)
+        self.prompt_tokens.inc(prompt_tokens)
+        self.generation_tokens.inc(generated)
         self.success.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
