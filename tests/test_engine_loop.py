@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-from faults import Fault
+from faults import Fault, Injector
 from models import tiny_model
 from test_engine import random_prompts, reference
 
@@ -30,6 +30,13 @@ def tiny_loop(num_blocks=64, built=None, **loop_options) -> EngineLoop:
 
 def tokens_of(submission) -> list[int]:
     return [t for chunk in submission for t in chunk.token_ids]
+
+
+def error_of(submission) -> Exception:
+    """The error reading ``submission`` raises (the test fails if it raises none)."""
+    with pytest.raises(Exception) as raised:
+        tokens_of(submission)
+    return raised.value
 
 
 def wait_until(condition, timeout=30.0):
@@ -185,6 +192,22 @@ def test_a_step_that_keeps_failing_fails_the_requests_in_it_and_the_loop_goes_on
     assert isinstance(failed.value.__cause__, Fault)
     assert not built[0].requests and built[0].stats()["used_blocks"] == 0
     assert tokens_of(loop.submit([1, 2, 3], SamplingParams(max_tokens=8))) == reference(tiny_model("llama"), [1, 2, 3], 8)
+    loop.stop()
+
+
+def test_a_fault_outside_a_step_reaches_the_requests_and_the_loop_goes_on(monkeypatch):
+    built = []
+    loop = tiny_loop(built=built)
+    running = loop.submit([1, 2, 3], SamplingParams(max_tokens=1000, ignore_eos=True))
+    cancelled = iter(loop.submit([4, 5], SamplingParams(max_tokens=1000, ignore_eos=True)))
+    next(cancelled)
+    Injector(monkeypatch, Engine, "abort", fail_on=[1])  # the cancel's abort fails; the loop's own aborts work
+    cancelled.close()  # cancels it
+    error = read_within(lambda: error_of(running))
+    assert isinstance(error, Fault) and "abort failed" in str(error)
+    assert not built[0].requests and built[0].stats()["used_blocks"] == 0
+    again = loop.submit([1, 2, 3], SamplingParams(max_tokens=8))
+    assert read_within(lambda: tokens_of(again)) == reference(tiny_model("llama"), [1, 2, 3], 8)
     loop.stop()
 
 

@@ -154,6 +154,7 @@ class EngineLoop:
         self.tokenizer = None  # the engine's, once built: for callers that tokenize off the loop's thread
         self.stats: dict = {}  # the engine's stats after its last step (read from any thread)
         self.num_steps = 0
+        self._failures = 0  # steps failed in a row
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, Submission] = {}  # request id -> submission, on the loop's thread
         self._deferred: list[Submission] = []  # waiting for the engine to be rebuilt with their config
@@ -247,26 +248,15 @@ class EngineLoop:
             import mlx.core  # noqa: F401
         atexit.register(self._stop_at_exit)
         self._ready.set()
-        failures = 0
-        while self._take_inbox():
-            self._admit_deferred()
-            if self.engine is None or not self.engine.has_unfinished():
-                continue
+        while True:
             try:
-                chunks = self.engine.step()
-                failures = 0
-            except Exception as e:  # the engine undid the step; every request is whole
-                failures += 1
-                if failures >= MAX_STEP_FAILURES:
-                    failures = 0
-                    failed = StepFailed(f"the engine failed {MAX_STEP_FAILURES} steps in a row: {one_line(e)}")
-                    failed.__cause__ = e
-                    self._fail_all(failed)
-                continue
-            self.num_steps += 1
-            for chunk in chunks:
-                self._deliver(chunk)
-            self.stats = self.engine.stats()
+                if not self._take_inbox():
+                    break
+                self._admit_deferred()
+                if self.engine is not None and self.engine.has_unfinished():
+                    self._step()
+            except Exception as e:  # a fault outside a step (an abort, a delivery): the requests get it, and the
+                self._fail_all(e)  # thread goes on rather than leave them waiting for it
         stopped = _stopped()
         self._fail_all(stopped)
         self.engine = None
@@ -279,6 +269,25 @@ class EngineLoop:
                     item[1].set_exception(stopped)
         self.parked.set()
         threading.Event().wait()  # never end: see the module docstring
+
+    def _step(self) -> None:
+        """One engine step, its chunks to their requests. A step that fails is undone by the engine and tried
+        again; after ``MAX_STEP_FAILURES`` in a row the requests in the engine get ``StepFailed``."""
+        try:
+            chunks = self.engine.step()
+            self._failures = 0
+        except Exception as e:
+            self._failures += 1
+            if self._failures >= MAX_STEP_FAILURES:
+                self._failures = 0
+                failed = StepFailed(f"the engine failed {MAX_STEP_FAILURES} steps in a row: {one_line(e)}")
+                failed.__cause__ = e
+                self._fail_all(failed)
+            return
+        self.num_steps += 1
+        for chunk in chunks:
+            self._deliver(chunk)
+        self.stats = self.engine.stats()
 
     def _take_inbox(self) -> bool:
         """Admit submissions and apply cancels; wait for one if there is nothing to step. False: stop."""
