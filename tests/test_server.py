@@ -95,12 +95,15 @@ def metric(server, name) -> float:
 
 
 def completion_reference(prompt: str, max_tokens: int) -> str:
+    """mlx-lm's greedy tokens after ``prompt``, as text that continues it (its leading space kept)."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.sample_utils import make_sampler
 
     model, tokenizer = loaded(str(smollm2_dir()))
     pieces = stream_generate(model, tokenizer, prompt, max_tokens=max_tokens, sampler=make_sampler(temp=0.0))
-    return "".join(r.text for r in pieces)
+    generated = [r.token for r in pieces if r.token not in tokenizer.eos_token_ids]
+    prompt_ids = tokenizer.encode(prompt)
+    return tokenizer.decode(prompt_ids + generated)[len(tokenizer.decode(prompt_ids)):]
 
 
 # -- the API ------------------------------------------------------------------
@@ -152,11 +155,32 @@ def test_completions_plain_and_streamed(client):
     expected = completion_reference(prompt, 12)
     response = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12)
     assert response.choices[0].text == expected and response.usage.completion_tokens == 12
+    assert expected.startswith(" ")  # prompt + text reads right
     streamed = "".join(c.choices[0].text for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, stream=True))
     assert streamed == expected
     _, tokenizer = loaded(str(smollm2_dir()))
     by_ids = client.completions.create(model=MODEL, prompt=tokenizer.encode(prompt), max_tokens=12)
     assert by_ids.choices[0].text == expected
+
+
+@pytest.mark.parametrize("prompt, continuation", [
+    ("The capital of France is", " Paris, é 😀 and\n  more."),
+    ("The capital of France is ", "Paris."),  # the prompt's last token is a lone space
+    ("Tokens:", "\u00e9\u00e9 \u4e2d\u6587"),  # multi-byte characters split across tokens
+])
+def test_a_completions_text_continues_its_prompt(prompt, continuation):
+    from llm_paged_mlx.engine.output import OutputText
+
+    _, tokenizer = loaded(str(smollm2_dir()))
+    prompt_ids, generated = tokenizer.encode(prompt), tokenizer.encode(continuation)
+    text = OutputText(tokenizer, None, after=prompt_ids[-1])
+    streamed = []
+    for token in generated:
+        text.add(token)
+        streamed.append(text.take(final=False))
+    text.finish()
+    streamed.append(text.take(final=True))
+    assert "".join(streamed) == tokenizer.decode(prompt_ids + generated)[len(tokenizer.decode(prompt_ids)):]
 
 
 def test_logprobs_are_the_models(client):

@@ -200,7 +200,8 @@ class Engine:
         request = Request(next(self._ids), token_ids, params, max_total_tokens=limit, stop_token_ids=frozenset(stops))
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
-            self.texts[request.request_id] = OutputText(self.tokenizer, params.stop)
+            after = token_ids[-1] if params.continues_prompt and token_ids else None
+            self.texts[request.request_id] = OutputText(self.tokenizer, params.stop, after)
         self.scheduler.add(request)
         return request.request_id
 

@@ -44,13 +44,22 @@ class OutputText:
     Text that could still turn into a stop string is held back from ``take``.
     """
 
-    def __init__(self, tokenizer, stop: Optional[list[str]]):
+    def __init__(self, tokenizer, stop: Optional[list[str]], after: Optional[int] = None):
+        """``after``: a token the text follows (the prompt's last), detokenized first for context and left out
+        of the text, so that the text's first word keeps its leading space."""
         self.detokenizer = tokenizer.detokenizer
         self.stop = stop or []
         self.holdback = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""
         self.taken = 0
         self.stopped = False
+        self.hidden = 0  # characters still to come that are the context's, not the text's
+        if after is not None:
+            self.detokenizer.add_token(after)
+            alone = tokenizer.detokenizer  # the context's whole text, some of which a detokenizer holds back
+            alone.add_token(after)
+            alone.finalize()
+            self.hidden = len(alone.text) - len(self.detokenizer.last_segment)
 
     def add(self, token: int) -> bool:
         """Add a token; True if the text now reaches a stop string (the text is cut there)."""
@@ -70,6 +79,8 @@ class OutputText:
         return new
 
     def _extend(self, segment: str) -> bool:
+        cut = min(self.hidden, len(segment))
+        segment, self.hidden = segment[cut:], self.hidden - cut
         start = max(0, len(self.text) - self.holdback)
         self.text += segment
         hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]

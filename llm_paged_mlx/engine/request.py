@@ -18,6 +18,8 @@ class SamplingParams:
 
     ``logprobs``: report each generated token's log-probability and those of the
     ``logprobs`` most likely tokens (0 to ``MAX_LOGPROBS``; None: none).
+    ``continues_prompt``: detokenize the text as the prompt's continuation, so that it
+    keeps a leading space that a reply's text drops (OpenAI's completions).
     """
 
     max_tokens: int = 256
@@ -31,6 +33,7 @@ class SamplingParams:
     ignore_eos: bool = False
     priority: int = 0
     logprobs: Optional[int] = None
+    continues_prompt: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):

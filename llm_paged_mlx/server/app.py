@@ -151,16 +151,17 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else body.prompt
         if isinstance(prompt, str):
             _text(prompt, "prompt")
-        params = sampling(body, body.max_tokens, body.logprobs)
+        params = sampling(body, body.max_tokens, body.logprobs, continues_prompt=True)
         run = await start(prompt, params, request)
         return await respond(run, body, request, "text_completion", "cmpl")
 
-    def sampling(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int]) -> SamplingParams:
+    def sampling(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
+                 continues_prompt: bool = False) -> SamplingParams:
         if max_tokens is not None and max_tokens > served.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {served.max_tokens_limit}",
                            param="max_tokens")
         given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                 "stop": body.stops(), "logprobs": logprobs}
+                 "stop": body.stops(), "logprobs": logprobs, "continues_prompt": continues_prompt}
         try:
             return SamplingParams(**{**served.defaults, **{k: v for k, v in given.items() if v is not None}})
         except ValueError as e:
