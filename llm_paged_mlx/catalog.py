@@ -4,7 +4,7 @@ import os
 from pathlib import Path
 from typing import Callable
 
-import llm
+import click
 
 from .user_models import UserModels
 
@@ -12,9 +12,17 @@ QWEN_REPO = "mlx-community/Qwen3-0.6B-4bit"
 CACHE_ENV = "LLM_PAGED_MLX_CACHE"
 
 
+def user_dir() -> Path:
+    """llm's user dir, found as llm finds it ($LLM_USER_PATH, else the app dir of "io.datasette.llm"), so that
+    the engine and the server run without importing llm."""
+    path = Path(os.environ.get("LLM_USER_PATH") or click.get_app_dir("io.datasette.llm"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def plugin_dir() -> Path:
     """Where the plugin keeps its registry and converted models, under llm's user dir."""
-    return llm.user_dir() / "paged-mlx"
+    return user_dir() / "paged-mlx"
 
 
 def default_model_cache() -> Path:

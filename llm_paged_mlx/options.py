@@ -3,8 +3,7 @@
 import re
 from typing import Literal, Optional, Union
 
-import llm
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
@@ -24,7 +23,12 @@ def parse_size(value) -> int:
     return int(float(number) * _UNITS[unit.lower()])
 
 
-class PagedOptions(llm.Options):
+class PagedOptions(BaseModel):
+    """The options ``llm -m MODEL -o key value`` and ``llm paged-mlx serve -o key value`` take (as llm's
+    ``Options``: unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
     max_tokens: Optional[int] = Field(
         None, gt=0, description=f"Maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS})"
     )

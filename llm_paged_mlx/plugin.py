@@ -90,7 +90,9 @@ class _Report:
 
 class _PagedBase:
     can_stream = True
-    Options = PagedOptions
+
+    class Options(PagedOptions, llm.Options):
+        """This plugin's options on llm's base."""
 
     def __init__(self, model_id: str, source: str, fetch: Callable[[], str]):
         self.model_id = model_id

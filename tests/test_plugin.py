@@ -474,3 +474,16 @@ def test_cache_clear_fails_in_one_line(user_dir, monkeypatch, trouble, words):
         assert results, "cache clear waits for the lock"
     assert_clean_error(results[0], *words)
     assert (kv_cache / f"{'ab' * 8}-{'0' * 32}.safetensors").exists()
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_the_plugin_finds_llms_user_dir_as_llm_does(tmp_path, monkeypatch, given):
+    from llm_paged_mlx.catalog import user_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))  # where click puts the app dir when LLM_USER_PATH is not set
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    if given:
+        monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm-home"))
+    else:
+        monkeypatch.delenv("LLM_USER_PATH", raising=False)
+    assert user_dir() == llm.user_dir() and user_dir().is_dir()
