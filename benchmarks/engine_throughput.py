@@ -1,5 +1,9 @@
 """Engine vs mlx-lm BatchGenerator on a random-weight Qwen3-0.6B-shaped model, in one process.
 
+``--model deepseek-v2-lite`` takes a DeepSeek-V2-Lite-shaped model instead (27
+layers, 16 heads, latent 512 + RoPE 64, 64 routed experts of which 6 per token
+and 2 shared) in mlx-lm's ``deepseek_v3`` module, which caches the latent
+(``deepseek_v2`` caches full per-head K/V): multi-head latent attention.
 Meant for a GPU (the H200 runs it through MLX's CUDA backend); it also runs on
 the CPU with ``--small``. Every request generates exactly ``--new-tokens``
 tokens (EOS ignored), so only time differs between the systems. Each system
@@ -22,7 +26,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import qwen3
+from mlx_lm.models import deepseek_v3, qwen3
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -33,11 +37,24 @@ QWEN3_0_6B = dict(
 )
 SMALL = dict(QWEN3_0_6B, hidden_size=256, num_hidden_layers=4, intermediate_size=512,
              num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=4096)
+DEEPSEEK_V2_LITE = dict(
+    model_type="deepseek_v3", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+    moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16,
+    n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6, first_k_dense_replace=1,
+    kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+    topk_method="noaux_tc", scoring_func="softmax", norm_topk_prob=False, max_position_embeddings=163840,
+)
+DEEPSEEK_SMALL = dict(DEEPSEEK_V2_LITE, vocab_size=4096, hidden_size=256, intermediate_size=512,
+                      moe_intermediate_size=128, num_hidden_layers=4, n_routed_experts=8, num_experts_per_tok=2)
+MODELS = {  # name: (module, config, --small config)
+    "qwen3-0.6b": (qwen3, QWEN3_0_6B, SMALL),
+    "deepseek-v2-lite": (deepseek_v3, DEEPSEEK_V2_LITE, DEEPSEEK_SMALL),
+}
 
 
-def build_model(config, dtype):
+def build_model(module, config, dtype):
     mx.random.seed(0)
-    model = qwen3.Model(qwen3.ModelArgs(**config))
+    model = module.Model(module.ModelArgs(**config))
     model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
     mx.eval(model.parameters())
     return model
@@ -88,6 +105,7 @@ def single_stream_tps(model, prompt, new_tokens):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--kernels", nargs="+", default=["auto", "portable"])
@@ -97,10 +115,13 @@ def main(argv=None):
     parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
-    model = build_model(SMALL if args.small else QWEN3_0_6B, dtype)
+    module, config, small = MODELS[args.model]
+    model = build_model(module, small if args.small else config, dtype)
     vocab = model.args.vocab_size
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
-          f"{'small' if args.small else 'Qwen3-0.6B-shaped'} {dtype}, {args.new_tokens} new tokens per request")
+          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}, {args.new_tokens} new tokens per request")
+    layouts = Engine(model, num_blocks=4, verify_model=False).runner.layouts
+    print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in layouts):,}")
     single_stream_tps(model, prompts_for(1, vocab)[0], 8)
     print(f"one stream (mlx-lm generate_step): {single_stream_tps(model, prompts_for(1, vocab)[0], args.new_tokens):.1f} tok/s")
     columns = [(k, True) for k in args.kernels] + [(k, False) for k in args.kernels if args.eager]

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from mlx_lm.models import qwen3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -125,7 +126,7 @@ def main(argv=None):
         name = Path(args.model).name
     else:
         dtype = mx.float32 if args.small else mx.bfloat16
-        model = build_model(SMALL if args.small else QWEN3_0_6B, dtype)
+        model = build_model(qwen3, SMALL if args.small else QWEN3_0_6B, dtype)
         name = f"{'small' if args.small else 'Qwen3-0.6B-shaped'} {dtype}"
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, {name}, "
           f"{args.new_tokens} new tokens per request")

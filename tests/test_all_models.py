@@ -7,9 +7,10 @@ skipped with its reason; every other one must be refused by ``Engine()`` with
 a ValueError naming its architecture, or give mlx-lm's greedy tokens for two
 concurrent prompts crossing block boundaries in chunked prefills.
 
-With mlx-lm 0.32.2: 68 exact, 58 refused (42 for sliding-window or recurrent caches, 7 MLA, 3 arange RoPE
-positions, 2 wrong logits (plamo, gemma4[kv-shared]), 1 no scaled_dot_product_attention (gemma2), 1 cache not
-passed to it (phi3small), 1 failing on the paged cache (afm7), 1 a layer storing no K/V (nemotron-nas)),
+With mlx-lm 0.32.2: 77 exact (the MLA models among them), 49 refused (38 for sliding-window or recurrent caches,
+3 arange RoPE positions, 2 sparse attention (deepseek_v32, glm_moe_dsa), 2 wrong logits (plamo,
+gemma4[kv-shared]), 1 no scaled_dot_product_attention (gemma2), 1 cache not passed to it (phi3small), 1 failing
+on the paged cache (afm7), 1 a layer storing no K/V (nemotron-nas)),
 3 skipped (``pytest -rs`` shows the reasons):
 - ModelArgs not filled generically: olmo (its module exits without the ai2-olmo package).
 - mlx-lm's own forward fails on the CPU: bitnet and muse_spark (Metal kernels).

@@ -244,16 +244,8 @@ def test_preemption_takes_the_lowest_priority_request():
 
 
 def test_models_the_paged_cache_cannot_serve_are_refused():
-    from mlx_lm.models import deepseek_v3, gpt_bigcode
+    from mlx_lm.models import gpt_bigcode
 
-    mla = deepseek_v3.ModelArgs(
-        model_type="deepseek_v3", vocab_size=256, hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
-        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-        n_routed_experts=None, max_position_embeddings=256,
-    )
-    with pytest.raises(ValueError, match="multi-head latent attention"):
-        Engine(deepseek_v3.Model(mla))
     with pytest.raises(ValueError, match="DynamicNTKScalingRoPE"):
         Engine(tiny_model("llama", rope_scaling={"type": "dynamic", "factor": 2.0}))
     bigcode = gpt_bigcode.ModelArgs(

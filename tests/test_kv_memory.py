@@ -98,6 +98,8 @@ def test_bad_quantization_settings_are_refused_with_the_reason():
         Engine(model, kv_bits=4, kv_group_size=64)
     with pytest.raises(ValueError, match="kv_group_size must be one of"):
         Engine(model, kv_bits=4, kv_group_size=48)
+    with pytest.raises(ValueError, match="kv_group_size must be one of"):
+        Engine(model, kv_bits=4, kv_group_size=0)
 
 
 # -- long prefill in bounded memory ----------------------------------------------------------------

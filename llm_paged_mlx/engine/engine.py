@@ -10,7 +10,7 @@ import mlx.core as mx
 
 from .. import plugins
 from ..kernels import select_kernel
-from ..models.paged_cache import check_model, model_config
+from ..models.paged_cache import architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
 from .block_manager import BlockManager
 from .disk.store import KVDiskCache, KVDiskCacheWarning
@@ -120,6 +120,11 @@ class Engine:
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
         layouts = check_model(model)
+        if any(layout.latent for layout in layouts) and not hasattr(self.kernel, "latent_attention"):
+            raise ValueError(
+                f"{architecture(model)}: attention kernel {self.kernel.name!r} has no latent_attention, "
+                "which multi-head latent attention (MLA) needs"
+            )
         fold_quantized_rows(model)
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
         self.model = model

@@ -58,15 +58,19 @@ def step_reserve(model, max_tokens: int, logit_rows: int) -> int:
     """An upper estimate of a step's activation memory: ``max_tokens`` tokens, ``logit_rows`` rows of logits.
 
     Per token: the residual stream, norms and projections, and the MLP's hidden
-    layer, all counted as float32 with room for a few live copies; the logits
-    with the sampler's float32 copies; and a prefill chunk's attention, which
-    the kernels keep within ``PREFILL_ATTENTION_BYTES``.
+    layer (and with MLA, the absorbed queries: a latent row per head), all
+    counted as float32 with room for a few live copies; the logits with the
+    sampler's float32 copies; and a prefill chunk's attention, which the
+    kernels keep within ``PREFILL_ATTENTION_BYTES``.
     """
     config = model_config(model)
     hidden = _field(config, "hidden_size", 4096)
     intermediate = _field(config, "intermediate_size", 4 * hidden)
     vocab = _field(config, "vocab_size", 32000)
-    per_token = 4 * (8 * hidden + 3 * intermediate)
+    latent_queries = _field(config, "num_attention_heads", 0) * (
+        _field(config, "kv_lora_rank", 0) + _field(config, "qk_rope_head_dim", 0)
+    )
+    per_token = 4 * (8 * hidden + 3 * intermediate + 3 * latent_queries)
     return max_tokens * per_token + 3 * 4 * logit_rows * vocab + PREFILL_ATTENTION_BYTES
 
 

@@ -17,7 +17,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..kernels.plan import AttentionPlan, PrefillChunk
-from ..models.paged_cache import LayerLayout, PagedLayerCache
+from ..models.paged_cache import LayerLayout, model_caches
 from .scheduler import ScheduledChunk
 
 # Architectures whose Model.__call__ is exactly "body, then tied embedding or lm_head":
@@ -56,10 +56,8 @@ class ModelRunner:
         self.layouts = layouts
         self.block_size = block_size
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.caches = [
-            PagedLayerCache(num_blocks, block_size, l.num_kv_heads, l.k_dim, l.v_dim, l.dtype, kernel, kv_bits, kv_group_size)
-            for l in layouts
-        ]
+        self.caches = [layout.make_cache(num_blocks, block_size, kernel, kv_bits, kv_group_size) for layout in layouts]
+        self._model_caches = model_caches(model, self.caches)
         mx.eval(self.pools())
         self.split = projects_sampled_rows_only(model)
         self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
@@ -82,9 +80,8 @@ class ModelRunner:
 
     def block_layout(self) -> list[tuple[str, tuple, mx.Dtype]]:
         """Name, shape and dtype of each array ``read_blocks`` returns for one block."""
-        per_block = self.caches[0].shape[1] * self.block_size
         return [
-            (name, (per_block, array.shape[1]), array.dtype)
+            (name, (cache.shape[1] * self.block_size, array.shape[1]), array.dtype)
             for layer, cache in enumerate(self.caches)
             for name, array in zip(cache.names(layer), cache.arrays)
         ]
@@ -204,7 +201,7 @@ class ModelRunner:
         """The model up to the vocabulary projection (split architectures) or with it."""
         for cache in self.caches:
             cache.plan = plan
-        return (self.model.model if self.split else self.model)(inputs, cache=self.caches)
+        return (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
 
     def _as_rows(self, chunk: ScheduledChunk) -> bool:
         """Whether the chunk's tokens can be served as single-query rows."""

@@ -22,6 +22,11 @@ Optional:
   the pools it gets are ``quantized.QuantizedPool`` objects (packed values,
   scales and biases; ``.shape`` and ``.dtype`` are those of the values). The
   engine refuses ``kv_bits`` with kernels without it.
+- ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
+  latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
+  whose rows are the keys and whose first ``value_dim`` values are the values;
+  ``queries`` are ``(T, Hq, 1, D)``, the result ``(T, Hq, 1, value_dim)``. The
+  engine refuses MLA models with kernels without it.
 
 Only steps of single-query rows are traced: a kernel may evaluate arrays while
 it serves prefill chunks (the portable kernel does, to bound their memory).

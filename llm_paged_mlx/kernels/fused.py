@@ -16,7 +16,7 @@ values. A compile error or a mismatch warns once and that configuration stays
 on the portable kernel, so a kernel that was never run on this hardware cannot
 give wrong tokens. Shapes the kernel does not cover (head dims other than a
 power of two from 8 to 256, K and V head dims that differ, ...) also use the
-portable kernel.
+portable kernel, and so does multi-head latent attention (``latent_attention``).
 """
 
 import hashlib
@@ -130,6 +130,10 @@ class FusedKernel:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
+        """MLA rows (see ``kernels``): the portable kernel's."""
+        return self.portable.latent_attention(queries, pool, value_dim, plan, scale)
 
     def prefill_as_rows(self, num_tokens: int, context_len: int) -> bool:
         """Whether a prefill chunk is served best as single-query rows."""

@@ -55,6 +55,14 @@ class PortableKernel:
             parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
+    def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
+        """MLA: the keys are the pool's whole rows, the values their first ``value_dim`` values.
+
+        Whole rows are summed and their tail dropped: a view of the first
+        values would make the decode path copy the pool.
+        """
+        return self(queries, pool, pool, plan, scale)[..., :value_dim]
+
 
 def gather_context(pool, block_table: mx.array, length: int, heads: slice = slice(None)) -> mx.array:
     """The first ``length`` tokens a block table points at, as values ``(1, H, length, D)`` (of ``heads``)."""
@@ -85,11 +93,13 @@ def fused_prefill(num_queries: int, k_pool, v_pool) -> bool:
 
 
 def context_bytes(k_pool, v_pool) -> int:
-    """Bytes one KV head's gathered K and V take per context token (twice the values, for a copy MLX may make)."""
+    """Bytes one KV head's gathered K and V take per context token (twice the values, for a copy MLX may make;
+    once if they are one pool, as MLA's latent rows)."""
+    pools = (k_pool,) if v_pool is k_pool else (k_pool, v_pool)
     per_value = 2 * v_pool.dtype.size
     packed = sum(p.data.dtype.size * p.data.shape[-1] + 2 * p.scales.shape[-1] * p.dtype.size
-                 for p in (k_pool, v_pool) if isinstance(p, QuantizedPool))
-    return (k_pool.shape[-1] + v_pool.shape[-1]) * per_value + packed
+                 for p in pools if isinstance(p, QuantizedPool))
+    return sum(p.shape[-1] for p in pools) * per_value + packed
 
 
 def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
@@ -132,7 +142,7 @@ def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len,
     for first in range(0, kv_heads, heads):
         group = slice(first, min(first + heads, kv_heads))
         k = gather_context(k_pool, block_table, context_len, group)
-        v = gather_context(v_pool, block_table, context_len, group)
+        v = k if v_pool is k_pool else gather_context(v_pool, block_table, context_len, group)  # MLA: one pool
         q = queries[:, group.start * rep : group.stop * rep].swapaxes(0, 2)  # (1, Hq of the group, n, D)
         parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
         if heads < kv_heads:
@@ -168,7 +178,7 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
         start = index * tile
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
         k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
-        v = gather_context(v_pool, blocks, tile)[0].astype(dtype)
+        v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
         peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), peak, total, out)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
@@ -197,6 +207,9 @@ def _attend_tile(q, k, v, positions, start, peak, total, out):
 
 # mx.gather_mm runs one GPU threadgroup per product along the grid's z axis, which CUDA caps here.
 MAX_GATHER_PRODUCTS = 65535
+# MLX 0.32.4's CUDA gather_mm fails to launch float32 products of more rows (query heads per KV head):
+# float32 decode takes that many query heads at a time, on every device (one more pass over the blocks).
+MAX_GATHER_ROWS = 64
 
 
 def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale):
@@ -212,13 +225,23 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale)
         # Take the blocks the rows use as values: the CPU gather_mm only takes float32.
         used = block_tables.reshape(-1)
         dtype = mx.float32 if on_cpu else v_pool.dtype
-        k_pool, v_pool = block_values(k_pool, used, dtype), block_values(v_pool, used, dtype)
+        same = v_pool is k_pool  # MLA's latent rows: one pool
+        k_pool = block_values(k_pool, used, dtype)
+        v_pool = k_pool if same else block_values(v_pool, used, dtype)
         block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
         return decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale).astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
     width = block_tables.shape[1]
     dv = v_pool.shape[-1]
+    if rep > MAX_GATHER_ROWS and k_pool.dtype == mx.float32:  # each KV head's query heads, a slice at a time
+        grouped = queries.reshape(rows, kv_heads, rep, dim)
+        parts = [
+            decode_attention(grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim),
+                             k_pool, v_pool, block_tables, context_lens, scale).reshape(rows, kv_heads, -1, dv)
+            for s in range(0, rep, MAX_GATHER_ROWS)
+        ]  # fmt: skip
+        return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
 
     q = (queries * scale).astype(k_pool.dtype).reshape(rows * kv_heads, rep, dim)
     heads = mx.arange(kv_heads, dtype=mx.int32)

@@ -15,8 +15,9 @@ KV_BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
 
 
-def check_quantization(bits, group_size: int, dims) -> None:
-    """A ValueError unless ``bits`` (None: full precision) and ``group_size`` can quantize rows of ``dims``."""
+def check_quantization(bits, group_size: int, dims, rows: str) -> None:
+    """A ValueError unless ``bits`` (None: full precision) and ``group_size`` can quantize rows of ``dims``
+    (``rows`` says what they are, for the message)."""
     if bits is None:
         return
     if bits not in KV_BITS:
@@ -25,10 +26,11 @@ def check_quantization(bits, group_size: int, dims) -> None:
         raise ValueError(f"kv_group_size must be one of {', '.join(map(str, GROUP_SIZES))}, not {group_size!r}")
     odd = sorted({d for d in dims if d % group_size})
     if odd:
-        raise ValueError(
-            f"kv_group_size {group_size} does not divide the model's K/V head dimension {odd[0]}: "
-            f"choose a kv_group_size that does"
+        fitting = [g for g in GROUP_SIZES if all(d % g == 0 for d in dims)]
+        advice = f"choose a kv_group_size that does ({', '.join(map(str, fitting))})" if fitting else (
+            f"no kv_group_size ({', '.join(map(str, GROUP_SIZES))}) does, so this model cannot use kv_bits"
         )
+        raise ValueError(f"kv_group_size {group_size} does not divide {rows} {odd[0]}: {advice}")
 
 
 @dataclass(frozen=True)

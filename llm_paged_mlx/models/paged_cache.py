@@ -8,24 +8,39 @@ protocol over one layer's K/V pool, and ``install_attention_hook`` routes the
 attention call of caches of ours to the selected paged kernel. For every other
 cache the hook calls mlx-lm's own function unchanged.
 
+Multi-head latent attention (DeepSeek's MLA: deepseek_v3 and the models built
+on mlx-lm's ``mla`` module) caches one latent row per token instead:
+``update_and_fetch(kv_latent, k_pe)``, then for single-token queries it
+attends with the latent as both keys and values, the query absorbed through
+the latent up-projection, and ``mask = (q_pe * scale) @ k_pe.T`` as the RoPE
+part of the scores. ``PagedLatentCache`` keeps ``[kv_latent | k_pe]`` rows and
+returns an identity for ``k_pe``, so ``mask`` arrives as the scaled RoPE
+query, and the kernel's ``latent_attention`` scores whole rows and sums their
+latent part.
+
 A step feeds the model inputs of shape ``(T, 1)``: every token is its own row
 at its own position (``cache.offset`` is a ``(T,)`` array), see
 ``kernels.plan``.
 """
 
 import contextlib
+import inspect
 import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import KVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.quantized import QuantizedPool, check_quantization
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
+_SDPA_SIGNATURE = inspect.signature(_original_sdpa)
+# What quantization errors call the rows of a pool.
+KV_ROWS = "the model's K/V head dimension"
+LATENT_ROWS = "the width of the model's MLA rows (latent + RoPE)"
 
 
 def pool_columns(dim: int, dtype: mx.Dtype, kv_bits=None, kv_group_size=64) -> list[tuple[int, mx.Dtype]]:
@@ -46,13 +61,17 @@ class PagedLayerCache:
     """
 
     def __init__(self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
-        check_quantization(kv_bits, kv_group_size, (k_dim, v_dim))
+        check_quantization(kv_bits, kv_group_size, (k_dim, v_dim), KV_ROWS)
+        self._make_pools(num_blocks, num_kv_heads, block_size, (k_dim, v_dim), dtype, kernel, kv_bits, kv_group_size)
+
+    def _make_pools(self, num_blocks, num_kv_heads, block_size, dims, dtype, kernel, kv_bits, kv_group_size):
+        """Zeroed arrays for rows of each of ``dims`` values per (block, KV head, token)."""
         self.shape = (num_blocks, num_kv_heads, block_size)
         self.dtype = dtype
         self.bits, self.group_size = kv_bits, kv_group_size
-        self.parts = 1 if kv_bits is None else 3  # arrays per K (and per V)
+        self.parts = 1 if kv_bits is None else 3  # arrays per row kind (K, V or latent)
         rows = num_blocks * num_kv_heads * block_size
-        columns = [c for dim in (k_dim, v_dim) for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
+        columns = [c for dim in dims for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
         # One owner per pool array: a lingering view would make every write copy the pool.
         self.arrays = [mx.zeros((rows, width), dtype=t) for width, t in columns]
         self.kernel = kernel
@@ -130,6 +149,47 @@ class PagedLayerCache:
         return tuple(self.arrays)
 
 
+class PagedLatentCache(PagedLayerCache):
+    """One MLA layer's pool: a row ``[kv_latent | k_pe]`` per (block, token), as one KV head.
+
+    The keys are whole rows, the values their first ``latent_dim`` values
+    (the latent); with ``kv_bits`` the rows are quantized like K/V rows.
+    """
+
+    def __init__(self, num_blocks, block_size, row_dim, latent_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
+        check_quantization(kv_bits, kv_group_size, (row_dim,), LATENT_ROWS)
+        self._make_pools(num_blocks, 1, block_size, (row_dim,), dtype, kernel, kv_bits, kv_group_size)
+        self.latent_dim = latent_dim
+        self._rope_identity = mx.eye(row_dim - latent_dim, dtype=dtype)[None, None]  # see update_and_fetch
+
+    def names(self, layer: int) -> list[str]:
+        """Names of the pool's arrays: latent.0; quantized also latent_scales.0, latent_biases.0."""
+        suffixes = ("",) if self.bits is None else ("", "_scales", "_biases")
+        return [f"latent{suffix}.{layer}" for suffix in suffixes]
+
+    def update_and_fetch(self, kv_latent, k_pe):
+        """Write each row's ``[kv_latent | k_pe]``; return the latent and, for ``k_pe``, an identity: the
+        model's ``(q_pe * scale) @ k_pe.T`` then hands the attention call the scaled RoPE query as its mask."""
+        rows = kv_latent.shape[0]
+        x = mx.concatenate([kv_latent.reshape(rows, 1, -1), k_pe.reshape(rows, 1, -1)], axis=-1).astype(self.dtype)
+        parts = (x,) if self.bits is None else mx.quantize(x, group_size=self.group_size, bits=self.bits)
+        index = self.plan.write_indices(1)
+        for array, part in zip(self.arrays, parts):
+            array[index] = part
+        return kv_latent, self._rope_identity
+
+    def attend(self, queries, rope_queries, scale):
+        """``queries`` ``(T, H, 1, latent_dim)`` absorbed, ``rope_queries`` ``(T, H, 1, rope_dim)`` already
+        scaled; returns ``(T, H, 1, latent_dim)``, the attention output in latent space."""
+        pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+        pool = pools[0] if self.bits is None else QuantizedPool(*pools, self.bits, self.group_size)
+        rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
+        out = self.kernel.latent_attention(rows, pool, self.latent_dim, self.plan, 1.0)
+        if self.plan.prefills:
+            mx.eval(out)  # as in PagedLayerCache.attend
+        return out
+
+
 _float32_attention = False  # see float32_attention()
 
 
@@ -152,6 +212,8 @@ def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask
     if isinstance(cache, PagedLayerCache):
         if sinks is not None:
             raise ValueError("attention sinks are not supported by the paged engine")
+        if isinstance(cache, PagedLatentCache):
+            return cache.attend(queries, mask, scale)
         return cache.attend(queries, scale)
     if _float32_attention and queries.dtype != mx.float32:
         q, k, v = (x.astype(mx.float32) for x in (queries, keys, values))
@@ -178,15 +240,33 @@ _ARANGE_POSITION_MODELS = {"gpt_bigcode", "llama4", "ministral3"}
 
 @dataclass(frozen=True)
 class LayerLayout:
+    """What one layer caches per token: K and V rows per KV head, or (``latent``) one MLA row whose
+    ``k_dim`` values are the keys and whose first ``v_dim`` values are the values."""
+
     num_kv_heads: int
     k_dim: int
     v_dim: int
     dtype: mx.Dtype
+    latent: bool = False
+
+    @property
+    def row_dims(self) -> tuple[int, ...]:
+        """The widths of the rows the pool stores per KV head and token."""
+        return (self.k_dim,) if self.latent else (self.k_dim, self.v_dim)
 
     def bytes_per_token(self, kv_bits=None, kv_group_size=64) -> int:
-        """Bytes of one token's K and V in this layer's pool, at full precision or quantized to ``kv_bits``."""
-        columns = [c for dim in (self.k_dim, self.v_dim) for c in pool_columns(dim, self.dtype, kv_bits, kv_group_size)]
+        """Bytes of one token's rows in this layer's pool, at full precision or quantized to ``kv_bits``
+        (a ValueError if ``kv_bits`` and ``kv_group_size`` cannot quantize them)."""
+        check_quantization(kv_bits, kv_group_size, self.row_dims, LATENT_ROWS if self.latent else KV_ROWS)
+        columns = [c for dim in self.row_dims for c in pool_columns(dim, self.dtype, kv_bits, kv_group_size)]
         return self.num_kv_heads * sum(width * dtype.size for width, dtype in columns)
+
+    def make_cache(self, num_blocks, block_size, kernel, kv_bits=None, kv_group_size=64) -> "PagedLayerCache":
+        """This layer's pool of ``num_blocks`` blocks, behind mlx-lm's cache protocol."""
+        if self.latent:
+            return PagedLatentCache(num_blocks, block_size, self.k_dim, self.v_dim, self.dtype, kernel, kv_bits, kv_group_size)
+        dims = (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
+        return PagedLayerCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size)
 
 
 def model_config(model: nn.Module):
@@ -200,7 +280,8 @@ def architecture(model: nn.Module) -> str:
 
 
 def check_model(model: nn.Module) -> list[LayerLayout]:
-    """The K/V layout of each layer, or a ValueError saying why the model is not supported."""
+    """The K/V layout of each cache the model takes (``CacheList`` members in order), or a ValueError
+    saying why the model is not supported."""
     model_type = architecture(model)
     if model_type in _ARANGE_POSITION_MODELS:
         raise ValueError(f"{model_type}: builds RoPE positions with arange(offset), which needs one offset per batch")
@@ -210,9 +291,15 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
         if isinstance(module, DynamicNTKScalingRoPE):
             raise ValueError(f"{model_type}: DynamicNTKScalingRoPE does not accept per-sequence offsets")
     try:
-        caches = make_prompt_cache(model)
+        structure = make_prompt_cache(model)
     except Exception as e:
         raise ValueError(f"{model_type}: mlx-lm cannot make its cache: {type(e).__name__}: {e}") from e
+    labelled = [  # (how a refusal names the cache, the cache)
+        (f"layer {i}" if type(entry) is not CacheList else f"layer {i}'s cache {j}", cache)
+        for i, entry in enumerate(structure)
+        for j, cache in enumerate(entry.caches if type(entry) is CacheList else (entry,))
+    ]
+    caches = [cache for _, cache in labelled]
     odd = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
     if odd:
         raise ValueError(f"{model_type}: needs {', '.join(odd)} (sliding-window or recurrent state), not supported yet")
@@ -220,52 +307,68 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
     if not modules:
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
     try:
-        attended = _probe(model, caches, modules)
+        calls = _probe(model, structure, modules)
     except Exception as e:
         raise ValueError(f"{model_type}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
-    latent = _config_value(model_config(model), "kv_lora_rank")
     layouts = []
-    for index, cache in enumerate(caches):
+    for label, cache in labelled:
         if cache.keys is None:
-            raise ValueError(f"{model_type}: layer {index} stores no K/V in its cache")
-        _, heads, _, k_dim = cache.keys.shape
-        if heads == 1 and k_dim == latent:  # deepseek_v3-style MLA caches one latent "head" (youtu_llm: full K/V)
-            raise ValueError(f"{model_type}: multi-head latent attention (MLA) is not supported yet")
-        if id(cache) not in attended:  # the paged kernel would never see this layer's queries
+            raise ValueError(f"{model_type}: {label} stores no K/V in its cache")
+        if id(cache) not in calls:  # the paged kernel would never see this layer's queries
+            if any(type(m).__name__ == "Indexer" for _, m in model.named_modules()):
+                raise ValueError(
+                    f"{model_type}: sparse attention is not supported: its indexer reads cached keys directly "
+                    f"to pick the top-k tokens ({label} is not passed to scaled_dot_product_attention)"
+                )
             raise ValueError(
-                f"{model_type}: layer {index} does not pass its cache to scaled_dot_product_attention "
+                f"{model_type}: {label} does not pass its cache to scaled_dot_product_attention "
                 "(it attends to what update_and_fetch returns)"
             )
-        layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype))
+        if calls[id(cache)]:  # MLA: the cached "keys" are the latent, the cached "values" the RoPE keys
+            latent_dim, rope_dim = cache.keys.shape[-1], cache.values.shape[-1]
+            layouts.append(LayerLayout(1, latent_dim + rope_dim, latent_dim, cache.keys.dtype, latent=True))
+        else:
+            _, heads, _, k_dim = cache.keys.shape
+            layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype))
     return layouts
 
 
-def _probe(model: nn.Module, caches: list, modules: list[str]) -> set[int]:
-    """Run one token through mlx-lm's own path; the ids of the caches its attention calls were given."""
-    attended = set()
+def model_caches(model: nn.Module, caches: list) -> list:
+    """``caches`` (one per ``check_model`` layout) arranged as the model takes them (``CacheList`` groups)."""
+    remaining = iter(caches)
+    return [
+        CacheList(*(next(remaining) for _ in entry.caches)) if type(entry) is CacheList else next(remaining)
+        for entry in make_prompt_cache(model)
+    ]
+
+
+def _probe(model: nn.Module, structure: list, modules: list[str]) -> dict[int, bool]:
+    """Run one token through mlx-lm's own path. For the id of each cache its attention calls were given:
+    whether every call attends latents (MLA): one cached head given as both keys and values, the
+    cache's second array (the RoPE keys) something else, and the RoPE scores as a float mask."""
+    calls = {}
 
     def recording(*args, **kwargs):
-        attended.add(id(kwargs["cache"] if "cache" in kwargs else args[3]))
+        call = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        cache, keys, mask = call["cache"], call["keys"], call.get("mask")
+        cached = getattr(cache, "keys", None), getattr(cache, "values", None)
+        latent = (
+            keys is call["values"]
+            and keys.shape[1] == 1
+            and cached[0] is not None
+            and keys.shape[-1] == cached[0].shape[-1]
+            and not (cached[0].shape == cached[1].shape and mx.array_equal(*cached).item())  # not tied K and V
+            and isinstance(mask, mx.array)
+            and mx.issubdtype(mask.dtype, mx.floating)
+        )
+        calls[id(cache)] = calls.get(id(cache), True) and latent
         return paged_scaled_dot_product_attention(*args, **kwargs)
 
     for name in modules:
         sys.modules[name].scaled_dot_product_attention = recording
     try:
-        mx.eval(model(mx.array([[0]]), cache=caches))  # one token shows each layer's K/V shapes
+        mx.eval(model(mx.array([[0]]), cache=structure))  # one token shows each layer's K/V shapes
     finally:
         for name in modules:
             sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
-    return attended
-
-
-def _config_value(config, name: str, depth: int = 3):
-    """``name`` in a config object or dict, or in configs nested in it (``text_config``), else None."""
-    fields = config if isinstance(config, dict) else getattr(config, "__dict__", {})
-    if name in fields:
-        return fields[name]
-    for value in fields.values() if depth else ():
-        if isinstance(value, dict) or hasattr(value, "__dataclass_fields__"):
-            found = _config_value(value, name, depth - 1)
-            if found is not None:
-                return found
-    return None
+    return calls

@@ -1,0 +1,129 @@
+"""Checks and times MLA decode attention over paged latent rows on an MLX GPU (one command on the H200).
+
+    PYTHONPATH=. python3 benchmarks/mla_kernels.py [--quick]
+
+DeepSeek-V3 shapes: 128 query heads, latent 512 + RoPE 64 per token, bf16, 16-token blocks scattered
+at random. For 8 and 64 sequences at 4K, 32K and 128K context, timed in alternation (the median of
+``--runs`` runs of one call each, after a warm-up call):
+
+- ``mlx-lm``: mlx-lm's own absorbed decode over a contiguous cache (``deepseek_v3``'s code path:
+  RoPE scores ``(q_pe * scale) @ k_pe.T`` as the mask of ``scaled_dot_product_attention`` over the
+  latent as keys and values), the baseline;
+- ``paged``: ``latent_attention`` of the kernel the engine picks (``auto``) over the paged pool.
+
+"TB/s" is the bytes of latent rows (latent + RoPE) a call reads over its time, against ``x * 2`` copy bandwidth (read +
+written). First, the paged path is checked against mlx-lm's in float32, per dtype.
+"""
+
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import mlx.core as mx
+from h200_kernels import copy_bandwidth  # this folder
+
+from llm_paged_mlx.kernels import AttentionPlan, select_kernel
+
+HEADS, LATENT, ROPE, BLOCK = 128, 512, 64, 16
+DTYPE = mx.bfloat16
+SCALE = 192**-0.5  # DeepSeek-V3: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)
+
+
+def make_case(batch, context, dtype=DTYPE, seed=0):
+    """A scattered latent pool, its plan, the same rows laid out contiguously, and queries."""
+    mx.random.seed(seed)
+    width = context // BLOCK
+    num_blocks = batch * width + 1
+    pool = mx.random.normal((num_blocks, 1, BLOCK, LATENT + ROPE)).astype(dtype)
+    tables = (mx.random.permutation(num_blocks - 1) + 1).reshape(batch, width).astype(mx.int32)
+    lens = mx.full((batch,), context, mx.int32)
+    plan = AttentionPlan(BLOCK, lens - 1, lens - 1, batch, tables, lens)
+    rows = pool[tables].reshape(batch, 1, context, LATENT + ROPE)  # (B, 1, L, R + P)
+    latent, k_pe = mx.contiguous(rows[..., :LATENT]), mx.contiguous(rows[..., LATENT:])
+    q_nope = mx.random.normal((batch, HEADS, 1, LATENT)).astype(dtype)
+    q_pe = mx.random.normal((batch, HEADS, 1, ROPE)).astype(dtype)
+    mx.eval(pool, tables, latent, k_pe, q_nope, q_pe)
+    return pool, plan, latent, k_pe, q_nope, q_pe
+
+
+def mlx_lm_absorbed(q_nope, q_pe, latent, k_pe):
+    """deepseek_v3's decode attention (L == 1) over a contiguous cache, before ``unembed_out``."""
+    pe_scores = (q_pe * SCALE) @ k_pe.swapaxes(-1, -2)
+    return mx.fast.scaled_dot_product_attention(q_nope, latent, latent, scale=SCALE, mask=pe_scores)
+
+
+def paged(kernel, q_nope, q_pe, pool, plan):
+    """What ``PagedLatentCache.attend`` hands the kernel."""
+    rows = mx.concatenate([q_nope * SCALE, q_pe * SCALE], axis=-1)
+    return kernel.latent_attention(rows, pool, LATENT, plan, 1.0)
+
+
+def timed_together(fns, runs):
+    """Median milliseconds per call of each function, timed in alternation (so drift hits all alike)."""
+    for fn in fns.values():
+        mx.eval(fn())
+    times = {name: [] for name in fns}
+    for _ in range(runs):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            mx.eval(fn())
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def check(kernel):
+    """Max |paged - mlx-lm| / max |mlx-lm| per dtype, mlx-lm's path in float32 over the same values:
+    3 sequences of 700 to 1600 tokens."""
+    errors = {}
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        pool, plan, latent, k_pe, q_nope, q_pe = make_case(3, 1600, dtype, seed=1)
+        lens = [700, 1600, 1033]
+        plan.decode_context_lens = mx.array(lens, mx.int32)
+        have = paged(kernel, q_nope, q_pe, pool, plan).astype(mx.float32)
+        worst = 0.0
+        for row, length in enumerate(lens):
+            inputs = (q_nope[row : row + 1], q_pe[row : row + 1], latent[row : row + 1, :, :length], k_pe[row : row + 1, :, :length])
+            want = mlx_lm_absorbed(*(x.astype(mx.float32) for x in inputs))
+            worst = max(worst, (mx.abs(have[row : row + 1] - want).max() / mx.abs(want).max()).item())
+        errors[str(dtype)] = worst
+    return errors
+
+
+def report(rows, bandwidth):
+    print(f"\n{datetime.date.today()} {mx.device_info().get('device_name', '')} mlx {mx.__version__}")
+    print("| seqs | context | mlx-lm ms | paged ms | paged / mlx-lm | paged TB/s | of copy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for batch, context, t, tbs in rows:
+        print(f"| {batch} | {context // 1024}K | {t['mlx-lm']:.3f} | {t['paged']:.3f} | "
+              f"{t['paged'] / t['mlx-lm']:.2f}x | {tbs:.2f} | {tbs / bandwidth:.0%} |", flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--runs", type=int, default=7)
+    args = parser.parse_args()
+    kernel = select_kernel("auto")
+    print(f"check ({kernel.name} kernel):", json.dumps(check(kernel)), flush=True)
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth:.2f} TB/s", flush=True)
+    cases = [(8, 4096), (64, 4096)] if args.quick else [(b, c) for c in (4096, 32768, 131072) for b in (8, 64)]
+    rows = []
+    for batch, context in cases:
+        pool, plan, latent, k_pe, q_nope, q_pe = make_case(batch, context)
+        times = timed_together({
+            "mlx-lm": lambda: mlx_lm_absorbed(q_nope, q_pe, latent, k_pe),
+            "paged": lambda: paged(kernel, q_nope, q_pe, pool, plan),
+        }, args.runs)
+        print(batch, context, json.dumps(times), flush=True)
+        read = batch * context * (LATENT + ROPE) * DTYPE.size
+        rows.append((batch, context, times, read / (times["paged"] * 1e-3) / 1e12))
+        del pool, plan, latent, k_pe, q_nope, q_pe
+        mx.clear_cache()  # the next case's arrays are larger: free what this one held, not just reuse it
+    report(rows, bandwidth)
+
+
+if __name__ == "__main__":
+    main()
