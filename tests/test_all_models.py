@@ -7,10 +7,11 @@ skipped with its reason; every other one must be refused by ``Engine()`` with
 a ValueError naming its architecture, or give mlx-lm's greedy tokens for two
 concurrent prompts crossing block boundaries in chunked prefills.
 
-With mlx-lm 0.32.2: 77 exact (the MLA models among them), 49 refused (38 for sliding-window or recurrent caches,
-3 arange RoPE positions, 2 sparse attention (deepseek_v32, glm_moe_dsa), 2 wrong logits (plamo,
-gemma4[kv-shared]), 1 no scaled_dot_product_attention (gemma2), 1 cache not passed to it (phi3small), 1 failing
-on the paged cache (afm7), 1 a layer storing no K/V (nemotron-nas)),
+With mlx-lm 0.32.2: 90 exact (MLA and sliding-window models among them), 36 refused (23 for recurrent state,
+1 a cache of its own (deepseek_v41), 4 wrong logits (plamo, plamo3, iquestloopcoder, gemma4[kv-shared]), 2 arange
+RoPE positions (gpt_bigcode, llama4), 2 sparse attention (deepseek_v32, glm_moe_dsa), 1 no
+scaled_dot_product_attention (gemma2), 1 cache not passed to it (phi3small), 1 failing on the paged cache (afm7),
+1 a layer storing no K/V (nemotron-nas)),
 3 skipped (``pytest -rs`` shows the reasons):
 - ModelArgs not filled generically: olmo (its module exits without the ai2-olmo package).
 - mlx-lm's own forward fails on the CPU: bitnet and muse_spark (Metal kernels).

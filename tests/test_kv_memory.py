@@ -110,7 +110,7 @@ def test_a_prefill_chunk_over_a_long_context_goes_in_tiles_and_gives_mlx_lm_s_to
     monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 1 << 16)
     tiled = []
     real = portable.tiled_prefill_attention
-    monkeypatch.setattr(portable, "tiled_prefill_attention", lambda *a: tiled.append(a[-1]) or real(*a))
+    monkeypatch.setattr(portable, "tiled_prefill_attention", lambda *a: tiled.append(a[6]) or real(*a))  # the tile
     model = tiny_model("llama")
     prompt = random_prompts([300], seed=4)[0]
     engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")  # fused ones serve short chunks as rows
@@ -145,7 +145,7 @@ def test_where_attention_runs_fused_the_context_is_gathered_a_few_heads_at_a_tim
     monkeypatch.setattr(portable, "fused_prefill", lambda n, k_pool, v_pool: n > 8)
     groups = []
     real = portable.grouped_prefill_attention
-    monkeypatch.setattr(portable, "grouped_prefill_attention", lambda *a: groups.append(a[-1]) or real(*a))
+    monkeypatch.setattr(portable, "grouped_prefill_attention", lambda *a: groups.append(a[6]) or real(*a))  # heads
     engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")
     out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
     assert 1 in groups and 2 in groups  # short contexts: both heads at once; long ones: one at a time

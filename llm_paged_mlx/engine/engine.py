@@ -125,6 +125,11 @@ class Engine:
                 f"{architecture(model)}: attention kernel {self.kernel.name!r} has no latent_attention, "
                 "which multi-head latent attention (MLA) needs"
             )
+        if any(layout.window for layout in layouts) and not getattr(self.kernel, "windowed", False):
+            raise ValueError(
+                f"{architecture(model)}: attention kernel {self.kernel.name!r} does not take a window, "
+                "which the model's sliding-window layers need"
+            )
         fold_quantized_rows(model)
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
         self.model = model

@@ -5,7 +5,8 @@ mlx-lm computes. Two sequences of fixed random tokens go through the engine's
 runner the way the engine drives it (a prefill in two chunks, one ending
 mid-block and one crossing a block boundary; a mixed prefill and decode step;
 decode steps of both sequences at their own positions across a block
-boundary, compiled when the runner compiles) and through mlx-lm's
+boundary, compiled when the runner compiles; the long sequence outgrows the
+smallest sliding window) and through mlx-lm's
 ``make_prompt_cache``; the logits must agree within the tolerance of their
 dtype. The verdict depends on the code path, not on the weights, so it is
 kept per fingerprint: in the process, and in a JSON file across processes.
@@ -118,7 +119,10 @@ def _verdict(model, runner) -> Optional[str]:
     size = runner.block_size
     # The long prompt ends 2 tokens before a block boundary, the short one 1 token before: their decode steps
     # cross a boundary at different positions. The short one also decodes in the long one's second prefill step.
-    long_len, short_len = max(3 * size - 2, 4), max(size - 1, 2)
+    # The long one is longer than the smallest sliding window, if there is one.
+    windows = [layout.window for layout in runner.layouts if layout.window]
+    blocks = max(3, -(-min(windows) // size) + 2) if windows else 3
+    long_len, short_len = max(blocks * size - 2, 4), max(size - 1, 2)
     rng = np.random.default_rng(0)
     vocab = getattr(model_config(model), "vocab_size", None) or 32
     long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()

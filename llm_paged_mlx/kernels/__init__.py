@@ -22,6 +22,11 @@ Optional:
   the pools it gets are ``quantized.QuantizedPool`` objects (packed values,
   scales and biases; ``.shape`` and ``.dtype`` are those of the values). The
   engine refuses ``kv_bits`` with kernels without it.
+- ``windowed = True``: ``__call__`` also takes ``window`` (each query attends
+  to its last ``window`` tokens only) and ``sinks`` (``(Hq,)`` logits, one
+  per query head, that join the softmax with no value) as keyword arguments,
+  passed only when set. The engine refuses sliding-window models with kernels
+  without it.
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
   whose rows are the keys and whose first ``value_dim`` values are the values;

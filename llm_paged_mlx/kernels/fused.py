@@ -16,7 +16,8 @@ values. A compile error or a mismatch warns once and that configuration stays
 on the portable kernel, so a kernel that was never run on this hardware cannot
 give wrong tokens. Shapes the kernel does not cover (head dims other than a
 power of two from 8 to 256, K and V head dims that differ, ...) also use the
-portable kernel, and so does multi-head latent attention (``latent_attention``).
+portable kernel, and so do multi-head latent attention (``latent_attention``),
+sliding windows and attention sinks.
 """
 
 import hashlib
@@ -90,6 +91,7 @@ class FusedKernel:
     auto_priority = 10
     compilable = True
     quantized = True  # takes quantized.QuantizedPool pools
+    windowed = True  # takes window and sinks (served by the portable kernel)
     # A prefill chunk runs as single-query rows of the fused kernel while its
     # tokens x context length is at most this; larger chunks use the portable
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
@@ -115,7 +117,9 @@ class FusedKernel:
         self._checked: dict[tuple, bool] = {}
         self._scales: dict[float, mx.array] = {}
 
-    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float):
+    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None):
+        if window is not None or sinks is not None:  # the template has neither yet
+            return self.portable(queries, k_pool, v_pool, plan, scale, window, sinks)
         if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1]):
             return self.portable(queries, k_pool, v_pool, plan, scale)
         if not plan.prefills:

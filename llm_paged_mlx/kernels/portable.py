@@ -33,26 +33,20 @@ class PortableKernel:
     auto_priority = 0
     compilable = True
     quantized = True
+    windowed = True
 
     def is_available(self) -> bool:
         return True
 
-    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float):
+    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None):
         parts = []
         if plan.num_decode:
-            parts.append(
-                decode_attention(
-                    queries[: plan.num_decode],
-                    k_pool,
-                    v_pool,
-                    plan.decode_block_tables,
-                    plan.decode_context_lens,
-                    scale,
-                )
-            )
+            q = queries[: plan.num_decode]
+            tables, lens = plan.decode_block_tables, plan.decode_context_lens
+            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
-            parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
+            parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale, window, sinks))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
@@ -109,8 +103,9 @@ def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
     return max(1, PREFILL_ATTENTION_BYTES // per_token // block_size) * block_size
 
 
-def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale):
-    """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence.
+def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, window=None, sinks=None):
+    """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence: over its last
+    ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
 
     Where MLX's fused attention applies, the context is gathered for as many
     KV heads at a time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, a context
@@ -118,17 +113,26 @@ def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale):
     """
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
+    options = (window, sinks)
     if fused_prefill(n, k_pool, v_pool):
         heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (context_len * context_bytes(k_pool, v_pool)))
         if heads:
-            return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads)
+            return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads, *options)
     tile = prefill_tile(n, q_heads, k_pool, v_pool)
     if context_len > tile:
-        return tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile)
-    return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, kv_heads)
+        return tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile, *options)
+    return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, kv_heads, *options)
 
 
-def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads: int):
+def visible_keys(query_positions: mx.array, key_positions: mx.array, window=None) -> mx.array:
+    """Which keys each query attends to ``(n, L)``: those at or before it, and within its last ``window``."""
+    visible = key_positions[None] <= query_positions[:, None]
+    if window is not None:
+        visible = visible & (key_positions[None] > query_positions[:, None] - window)
+    return visible
+
+
+def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None):
     """``prefill_attention`` with the whole context gathered, ``heads`` KV heads at a time.
 
     Each group is evaluated before the next is gathered, so only one group's
@@ -137,21 +141,26 @@ def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len,
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
     rep = q_heads // kv_heads
-    mask = "causal" if n > 1 else None
+    if window is not None and context_len > window:
+        mask = visible_keys(mx.arange(context_len - n, context_len), mx.arange(context_len), window)
+    else:
+        mask = "causal" if n > 1 else None
     parts = []
     for first in range(0, kv_heads, heads):
         group = slice(first, min(first + heads, kv_heads))
         k = gather_context(k_pool, block_table, context_len, group)
         v = k if v_pool is k_pool else gather_context(v_pool, block_table, context_len, group)  # MLA: one pool
-        q = queries[:, group.start * rep : group.stop * rep].swapaxes(0, 2)  # (1, Hq of the group, n, D)
-        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask))
+        q_group = slice(group.start * rep, group.stop * rep)
+        q = queries[:, q_group].swapaxes(0, 2)  # (1, Hq of the group, n, D)
+        group_sinks = None if sinks is None else sinks[q_group]
+        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=group_sinks))
         if heads < kv_heads:
             mx.eval(parts[-1])
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return out.swapaxes(0, 2)
 
 
-def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile: int):
+def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None):
     """``prefill_attention`` over ``tile``-token slices of the context, merged with an online softmax.
 
     Every slice has ``tile`` tokens (the last one padded with the null block and
@@ -167,8 +176,14 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
     q = (queries * scale).astype(dtype).reshape(n, kv_heads, rep, dim).transpose(1, 2, 0, 3)
     q = q.reshape(kv_heads, rep * n, dim)
     positions = mx.arange(context_len - n, context_len, dtype=mx.int32)
-    peak = mx.full((kv_heads, rep, n, 1), -mx.inf, mx.float32)
-    total = mx.zeros((kv_heads, rep, n, 1), mx.float32)
+    # The running max logit and exp-sum start from the sinks' logit (exp(0) = 1), or from nothing.
+    if sinks is None:
+        peak = mx.full((kv_heads, rep, n, 1), -mx.inf, mx.float32)
+        total = mx.zeros((kv_heads, rep, n, 1), mx.float32)
+    else:
+        peak = mx.broadcast_to(sinks.astype(mx.float32).reshape(kv_heads, rep, 1, 1), (kv_heads, rep, n, 1))
+        total = mx.ones((kv_heads, rep, n, 1), mx.float32)
+    window = mx.array(context_len if window is None else window, mx.int32)
     out = mx.zeros((kv_heads, rep, n, v_pool.shape[-1]), mx.float32)
     per_tile = tile // block_size
     tiles = -(-context_len // tile)
@@ -179,7 +194,7 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
         k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
         v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
-        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), peak, total, out)
+        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), window, peak, total, out)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
         mx.eval(peak, total, out)
@@ -188,18 +203,18 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
 
 
 @mx.compile
-def _attend_tile(q, k, v, positions, start, peak, total, out):
+def _attend_tile(q, k, v, positions, start, window, peak, total, out):
     """One tile's step of the online softmax: the running max logit, exp-sum and weighted sum of V."""
     heads, rep, n, _ = out.shape
     length = k.shape[1]
     scores = (q @ k.swapaxes(1, 2)).astype(mx.float32).reshape(heads, rep, n, length)
-    visible = (mx.arange(length, dtype=mx.int32) + start)[None] <= positions[:, None]  # (n, length)
-    scores = mx.where(visible, scores, -mx.inf)
-    # Every query sees position 0, in the first tile: from there on the running max is finite.
+    scores = mx.where(visible_keys(positions, mx.arange(length, dtype=mx.int32) + start, window), scores, -mx.inf)
+    # A query that has seen no key yet (a tile before its window) keeps a max of -inf: exp() takes 0 for it.
     new_peak = mx.maximum(peak, scores.max(axis=-1, keepdims=True))
-    probs = mx.exp(scores - new_peak)
+    finite_peak = mx.where(new_peak == -mx.inf, 0, new_peak)
+    probs = mx.exp(scores - finite_peak)
     part = (probs.astype(v.dtype).reshape(heads, rep * n, length) @ v).astype(mx.float32)
-    correction = mx.exp(peak - new_peak)
+    correction = mx.exp(peak - finite_peak)
     total = total * correction + probs.sum(axis=-1, keepdims=True)
     out = out * correction + part.reshape(heads, rep, n, -1)
     return new_peak, total, out
@@ -212,8 +227,9 @@ MAX_GATHER_PRODUCTS = 65535
 MAX_GATHER_ROWS = 64
 
 
-def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale):
-    """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``.
+def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None):
+    """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``: over its last
+    ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
 
     Scores and weighted values are ``mx.gather_mm`` products of each (row, KV
     head) with each block of its table, at most ``MAX_GATHER_PRODUCTS`` per call;
@@ -229,18 +245,21 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale)
         k_pool = block_values(k_pool, used, dtype)
         v_pool = k_pool if same else block_values(v_pool, used, dtype)
         block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
-        return decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale).astype(queries.dtype)
+        out = decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+        return out.astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
     width = block_tables.shape[1]
     dv = v_pool.shape[-1]
     if rep > MAX_GATHER_ROWS and k_pool.dtype == mx.float32:  # each KV head's query heads, a slice at a time
         grouped = queries.reshape(rows, kv_heads, rep, dim)
-        parts = [
-            decode_attention(grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim),
-                             k_pool, v_pool, block_tables, context_lens, scale).reshape(rows, kv_heads, -1, dv)
-            for s in range(0, rep, MAX_GATHER_ROWS)
-        ]  # fmt: skip
+        grouped_sinks = None if sinks is None else sinks.reshape(kv_heads, rep)
+        parts = []
+        for s in range(0, rep, MAX_GATHER_ROWS):
+            q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
+            part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
+            part = decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks)
+            parts.append(part.reshape(rows, kv_heads, -1, dv))
         return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
 
     q = (queries * scale).astype(k_pool.dtype).reshape(rows * kv_heads, rep, dim)
@@ -259,10 +278,19 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale)
     scores = [mx.gather_mm(q, keys, qi, ki) for qi, ki in zip(q_index, kv_index)]
     scores = (scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=2)).astype(mx.float32)
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
-    visible = position < context_lens.reshape(rows, 1, 1, 1, 1)
+    lens = context_lens.reshape(rows, 1, 1, 1, 1)
+    visible = position < lens
+    if window is not None:
+        visible = visible & (position >= lens - window)
     scores = mx.where(visible, scores, -mx.inf)  # (R, H, W, rep, bs)
-    probs = mx.exp(scores - scores.max(axis=(2, 4), keepdims=True))
+    peak = scores.max(axis=(2, 4), keepdims=True)  # finite: a row sees its own token
+    if sinks is not None:  # one more logit per query head, with no value
+        sink = sinks.astype(mx.float32).reshape(1, kv_heads, 1, rep, 1)
+        peak = mx.maximum(peak, sink)
+    probs = mx.exp(scores - peak)
     total = probs.sum(axis=(2, 4))[..., None]  # (R, H, rep, 1)
+    if sinks is not None:
+        total = total + mx.exp(sink - peak).reshape(rows, kv_heads, rep, 1)
     probs = probs.astype(v_pool.dtype)
 
     out = None

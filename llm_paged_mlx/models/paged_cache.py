@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import CacheList, KVCache, make_prompt_cache
+from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.quantized import QuantizedPool, check_quantization
@@ -60,9 +60,13 @@ class PagedLayerCache:
     quantized as they are written.
     """
 
-    def __init__(self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
+    def __init__(
+        self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel, kv_bits=None, kv_group_size=64, window=None
+    ):
+        """``window``: each query attends to its last ``window`` tokens only (a sliding-window layer)."""
         check_quantization(kv_bits, kv_group_size, (k_dim, v_dim), KV_ROWS)
         self._make_pools(num_blocks, num_kv_heads, block_size, (k_dim, v_dim), dtype, kernel, kv_bits, kv_group_size)
+        self.window = window
 
     def _make_pools(self, num_blocks, num_kv_heads, block_size, dims, dtype, kernel, kv_bits, kv_group_size):
         """Zeroed arrays for rows of each of ``dims`` values per (block, KV head, token)."""
@@ -99,14 +103,17 @@ class PagedLayerCache:
     def make_mask(self, *args, **kwargs):
         return None
 
-    def attend(self, queries, scale):
+    def attend(self, queries, scale, sinks=None):
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
         if self.bits is None:
             k_pool, v_pool = pools
         else:
             k_pool = QuantizedPool(*pools[:3], self.bits, self.group_size)
             v_pool = QuantizedPool(*pools[3:], self.bits, self.group_size)
-        out = self.kernel(queries, k_pool, v_pool, self.plan, scale)
+        options = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
+        if sinks is not None and not getattr(self.kernel, "windowed", False):
+            raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
+        out = self.kernel(queries, k_pool, v_pool, self.plan, scale, **options)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
@@ -159,6 +166,7 @@ class PagedLatentCache(PagedLayerCache):
     def __init__(self, num_blocks, block_size, row_dim, latent_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
         check_quantization(kv_bits, kv_group_size, (row_dim,), LATENT_ROWS)
         self._make_pools(num_blocks, 1, block_size, (row_dim,), dtype, kernel, kv_bits, kv_group_size)
+        self.window = None
         self.latent_dim = latent_dim
         self._rope_identity = mx.eye(row_dim - latent_dim, dtype=dtype)[None, None]  # see update_and_fetch
 
@@ -209,12 +217,12 @@ def float32_attention():
 
 def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
     """mlx-lm's attention entry point, sending paged caches to their kernel."""
-    if isinstance(cache, PagedLayerCache):
+    if isinstance(cache, PagedLatentCache):
         if sinks is not None:
-            raise ValueError("attention sinks are not supported by the paged engine")
-        if isinstance(cache, PagedLatentCache):
-            return cache.attend(queries, mask, scale)
-        return cache.attend(queries, scale)
+            raise ValueError("attention sinks with multi-head latent attention are not supported by the paged engine")
+        return cache.attend(queries, mask, scale)
+    if isinstance(cache, PagedLayerCache):
+        return cache.attend(queries, scale, sinks)
     if _float32_attention and queries.dtype != mx.float32:
         q, k, v = (x.astype(mx.float32) for x in (queries, keys, values))
         return _original_sdpa(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks).astype(queries.dtype)
@@ -235,19 +243,21 @@ def install_attention_hook(model: nn.Module) -> list[str]:
 
 
 # Architectures whose RoPE positions are built with arange(offset): a per-row offset breaks them.
-_ARANGE_POSITION_MODELS = {"gpt_bigcode", "llama4", "ministral3"}
+_ARANGE_POSITION_MODELS = {"gpt_bigcode", "llama4"}
 
 
 @dataclass(frozen=True)
 class LayerLayout:
     """What one layer caches per token: K and V rows per KV head, or (``latent``) one MLA row whose
-    ``k_dim`` values are the keys and whose first ``v_dim`` values are the values."""
+    ``k_dim`` values are the keys and whose first ``v_dim`` values are the values. A ``window`` layer
+    attends to each query's last ``window`` tokens only."""
 
     num_kv_heads: int
     k_dim: int
     v_dim: int
     dtype: mx.Dtype
     latent: bool = False
+    window: int | None = None
 
     @property
     def row_dims(self) -> tuple[int, ...]:
@@ -266,7 +276,7 @@ class LayerLayout:
         if self.latent:
             return PagedLatentCache(num_blocks, block_size, self.k_dim, self.v_dim, self.dtype, kernel, kv_bits, kv_group_size)
         dims = (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
-        return PagedLayerCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size)
+        return PagedLayerCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size, self.window)
 
 
 def model_config(model: nn.Module):
@@ -300,9 +310,13 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
         for j, cache in enumerate(entry.caches if type(entry) is CacheList else (entry,))
     ]
     caches = [cache for _, cache in labelled]
-    odd = sorted({type(c).__name__ for c in caches if type(c) is not KVCache})
+    odd = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
     if odd:
-        raise ValueError(f"{model_type}: needs {', '.join(odd)} (sliding-window or recurrent state), not supported yet")
+        kind = "recurrent state" if odd == ["ArraysCache"] else "a cache of its own"
+        raise ValueError(f"{model_type}: needs {', '.join(odd)} ({kind}), not supported yet")
+    for label, cache in labelled:
+        if type(cache) is RotatingKVCache and cache.keep:
+            raise ValueError(f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet")
     modules = install_attention_hook(model)
     if not modules:
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
@@ -329,7 +343,8 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
             layouts.append(LayerLayout(1, latent_dim + rope_dim, latent_dim, cache.keys.dtype, latent=True))
         else:
             _, heads, _, k_dim = cache.keys.shape
-            layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype))
+            window = cache.max_size if type(cache) is RotatingKVCache else None
+            layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype, window=window))
     return layouts
 
 

@@ -1,0 +1,116 @@
+"""Sliding-window layers and attention sinks on the paged engine: the kernels' masks and the models that use them."""
+
+import mlx.core as mx
+import pytest
+from models import tiny_any
+from test_engine import random_prompts, reference, run_staggered
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
+from llm_paged_mlx.kernels.portable import PortableKernel
+
+WINDOW = 32
+# The window, and a layer stack of a sliding-window layer, then a full-attention one, in each model's own words.
+MODELS = {
+    "gemma3_text": dict(sliding_window=WINDOW),
+    "gpt_oss": dict(sliding_window=WINDOW),  # attention sinks on every layer
+    "cohere2": dict(sliding_window=WINDOW),
+    "olmo3": dict(sliding_window=WINDOW, layer_types=["sliding_attention", "full_attention"]),
+    "exaone4": dict(sliding_window=WINDOW, sliding_window_pattern="LG"),
+    "mimo_v2_flash": dict(sliding_window_size=WINDOW),
+    "step3p5": dict(sliding_window=WINDOW),
+}
+
+
+@pytest.mark.parametrize("arch", list(MODELS))
+def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
+    """Eight requests of up to 300 tokens (the window is 32), 40 new tokens each, in a pool that preempts."""
+    model = tiny_any(arch, **MODELS[arch])
+    prompts = random_prompts([3, 31, 32, 33, 70, 150, 250, 300], seed=8)
+    engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    assert WINDOW in {layout.window for layout in engine.runner.layouts}
+    got = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=6)
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference(model, prompt, 40), f"prompt of {len(prompt)} tokens"
+    assert engine.stats()["preemptions"] > 0
+    assert engine.stats()["free_blocks"] == 63
+
+
+def test_ministral3_s_positions_are_per_row():
+    model = tiny_any("ministral3")
+    prompts = random_prompts([20, 45], seed=9)
+    outputs = Engine(model, num_blocks=16).generate(prompts, SamplingParams(max_tokens=8))
+    assert [o.token_ids for o in outputs] == [reference(model, p, 8) for p in prompts]
+
+
+# -- the portable kernel's window and sinks against a dense reference ---------------------------------
+
+
+def dense_attention(queries, keys, values, scale, window, sinks):
+    """Queries ``(n, Hq, D)`` at the last n positions over keys and values ``(L, Hkv, D)``, causal."""
+    n, q_heads, _ = queries.shape
+    length, kv_heads, _ = keys.shape
+    rep = q_heads // kv_heads
+    k = mx.repeat(keys, rep, axis=1).transpose(1, 2, 0)  # (Hq, D, L)
+    v = mx.repeat(values, rep, axis=1).transpose(1, 0, 2)  # (Hq, L, D)
+    scores = (queries.transpose(1, 0, 2) * scale) @ k  # (Hq, n, L)
+    q_pos, k_pos = mx.arange(length - n, length)[:, None], mx.arange(length)[None]
+    visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or length))
+    scores = mx.where(visible, scores, -mx.inf)
+    if sinks is not None:
+        scores = mx.concatenate([mx.broadcast_to(sinks[:, None, None], (q_heads, n, 1)), scores], axis=-1)
+    probs = mx.softmax(scores, axis=-1)
+    if sinks is not None:
+        probs = probs[..., 1:]
+    return (probs @ v).transpose(1, 0, 2)
+
+
+@pytest.mark.parametrize("window", [None, 5, 24])
+@pytest.mark.parametrize("with_sinks", [False, True])
+@pytest.mark.parametrize("tiled", [False, True])
+def test_window_and_sinks_of_decode_and_prefill_rows_match_a_dense_reference(window, with_sinks, tiled, monkeypatch):
+    """Two decode rows and a 21-token prefill chunk over scattered 8-token blocks, 6 query / 2 KV heads."""
+    if tiled:  # the prefill chunk goes over its context in 16-token tiles, some wholly before a query's window
+        monkeypatch.setattr("llm_paged_mlx.kernels.portable.prefill_tile", lambda *args: 16)
+    mx.random.seed(3)
+    block, kv_heads, q_heads, dim = 8, 2, 6, 16
+    k_pool = mx.random.normal((20, kv_heads, block, dim))
+    v_pool = mx.random.normal((20, kv_heads, block, dim))
+    sinks = mx.random.normal((q_heads,)) if with_sinks else None
+    tables = [[3, 7, 1, 12, 2], [9, 4, 0, 0, 0], list(range(10, 20))]
+    lengths = [37, 11, 75]  # the prefill chunk's last query sees 75 tokens
+    queries = mx.random.normal((2 + 21, q_heads, 1, dim))
+    plan = AttentionPlan(
+        block_size=block,
+        positions=mx.array([36, 10] + list(range(54, 75)), dtype=mx.int32),
+        slots=mx.zeros(23, dtype=mx.int32),
+        num_decode=2,
+        decode_block_tables=mx.array(tables[:2], dtype=mx.int32),
+        decode_context_lens=mx.array(lengths[:2], dtype=mx.int32),
+        prefills=[PrefillChunk(2, 21, 75, mx.array(tables[2], dtype=mx.int32))],
+    )
+    out = PortableKernel()(queries, k_pool, v_pool, plan, 0.25, window=window, sinks=sinks)
+    for table, length, rows in zip(tables, lengths, [slice(0, 1), slice(1, 2), slice(2, 23)]):
+        keys = k_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
+        values = v_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
+        want = dense_attention(queries[rows, :, 0], keys, values, 0.25, window, sinks)
+        assert mx.allclose(out[rows, :, 0], want, atol=1e-5).item()
+
+
+class NoWindowKernel:
+    """A plugin kernel without ``windowed``: it cannot serve sliding-window layers."""
+
+    name = "no-window"
+    auto_priority = 0
+
+    def is_available(self):
+        return True
+
+    def __call__(self, *args):
+        return PortableKernel()(*args)
+
+
+def test_a_kernel_without_windows_is_refused_for_sliding_window_models(monkeypatch):
+    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: NoWindowKernel())
+    with pytest.raises(ValueError, match="^gemma3_text: attention kernel 'no-window' does not take a window"):
+        Engine(tiny_any("gemma3_text"), num_blocks=16)
