@@ -7,7 +7,7 @@ from test_engine import random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
-from llm_paged_mlx.kernels.portable import PortableKernel
+from llm_paged_mlx.kernels.portable import PortableKernel, window_tables
 
 WINDOW = 32
 # The window, and a layer stack of a sliding-window layer, then a full-attention one, in each model's own words.
@@ -97,7 +97,17 @@ def test_window_and_sinks_of_decode_and_prefill_rows_match_a_dense_reference(win
         assert mx.allclose(out[rows, :, 0], want, atol=1e-5).item()
 
 
-class NoWindowKernel:
+def test_decode_reads_only_the_blocks_a_window_reaches():
+    tables = mx.array([[5, 6, 7, 8, 9, 10], [1, 2, 3, 0, 0, 0], [11, 12, 13, 14, 15, 16]], dtype=mx.int32)
+    lens = mx.array([45, 20, 8], dtype=mx.int32)  # 8-token blocks, window 10: at most 3 blocks
+    narrow, start = window_tables(tables, lens, 10, 8)
+    # Row 0 sees 35..44: blocks 4 and 5 (the third column repeats the last one; its positions are past the
+    # context); row 1 sees 10..19: blocks 1 and 2; row 2 sees 0..7.
+    assert narrow.tolist() == [[9, 10, 10], [2, 3, 0], [11, 12, 13]]
+    assert start.tolist() == [32, 8, 0]
+    same, start = window_tables(tables, lens, 40, 8)  # a window that can reach 6 blocks: all of them
+    assert same is tables and start is None
+
     """A plugin kernel without ``windowed``: it cannot serve sliding-window layers."""
 
     name = "no-window"

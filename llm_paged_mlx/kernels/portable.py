@@ -42,8 +42,10 @@ class PortableKernel:
         parts = []
         if plan.num_decode:
             q = queries[: plan.num_decode]
-            tables, lens = plan.decode_block_tables, plan.decode_context_lens
-            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks))
+            tables, lens, start = plan.decode_block_tables, plan.decode_context_lens, None
+            if window is not None:
+                tables, start = window_tables(tables, lens, window, plan.block_size)
+            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale, window, sinks))
@@ -227,9 +229,24 @@ MAX_GATHER_PRODUCTS = 65535
 MAX_GATHER_ROWS = 64
 
 
-def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None):
+def window_tables(block_tables, context_lens, window: int, block_size: int):
+    """The columns of decode block tables that a ``window`` can reach, and the position each row's first
+    one starts at: ``(tables (R, W'), start (R,))``, W' at most ``ceil(window / block_size) + 1``."""
+    span = -(-window // block_size) + 1
+    width = block_tables.shape[1]
+    if width <= span:
+        return block_tables, None
+    first = mx.maximum(context_lens - window, 0) // block_size  # the first block a row's window reaches
+    columns = mx.minimum(first[:, None] + mx.arange(span, dtype=mx.int32)[None], width - 1)
+    return mx.take_along_axis(block_tables, columns, axis=1), first * block_size
+
+
+def decode_attention(
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None, table_start=None
+):
     """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``: over its last
     ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
+    ``table_start`` ``(R,)``: the position of each row's first table entry, if not 0 (``window_tables``).
 
     Scores and weighted values are ``mx.gather_mm`` products of each (row, KV
     head) with each block of its table, at most ``MAX_GATHER_PRODUCTS`` per call;
@@ -245,7 +262,7 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
         k_pool = block_values(k_pool, used, dtype)
         v_pool = k_pool if same else block_values(v_pool, used, dtype)
         block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
-        out = decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks)
+        out = decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start)
         return out.astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
@@ -258,7 +275,7 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
         for s in range(0, rep, MAX_GATHER_ROWS):
             q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
             part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
-            part = decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks)
+            part = decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start)
             parts.append(part.reshape(rows, kv_heads, -1, dv))
         return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
 
@@ -278,6 +295,8 @@ def decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale,
     scores = [mx.gather_mm(q, keys, qi, ki) for qi, ki in zip(q_index, kv_index)]
     scores = (scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=2)).astype(mx.float32)
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
+    if table_start is not None:
+        position = position + table_start.reshape(rows, 1, 1, 1, 1)
     lens = context_lens.reshape(rows, 1, 1, 1, 1)
     visible = position < lens
     if window is not None:
