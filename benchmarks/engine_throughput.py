@@ -4,6 +4,9 @@
 layers, 16 heads, latent 512 + RoPE 64, 64 routed experts of which 6 per token
 and 2 shared) in mlx-lm's ``deepseek_v3`` module, which caches the latent
 (``deepseek_v2`` caches full per-head K/V): multi-head latent attention.
+``--model gpt-oss-20b`` a gpt-oss-20b-shaped one (24 layers alternating a
+128-token window and full attention, attention sinks, 32 experts of which 4 per
+token).
 Meant for a GPU (the H200 runs it through MLX's CUDA backend); it also runs on
 the CPU with ``--small``. Every request generates exactly ``--new-tokens``
 tokens (EOS ignored), so only time differs between the systems. Each system
@@ -26,7 +29,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import deepseek_v3, qwen3
+from mlx_lm.models import deepseek_v3, gpt_oss, qwen3
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -46,9 +49,18 @@ DEEPSEEK_V2_LITE = dict(
 )
 DEEPSEEK_SMALL = dict(DEEPSEEK_V2_LITE, vocab_size=4096, hidden_size=256, intermediate_size=512,
                       moe_intermediate_size=128, num_hidden_layers=4, n_routed_experts=8, num_experts_per_tok=2)
+GPT_OSS_20B = dict(
+    model_type="gpt_oss", num_hidden_layers=24, num_local_experts=32, num_experts_per_tok=4, vocab_size=201088,
+    hidden_size=2880, intermediate_size=2880, head_dim=64, num_attention_heads=64, num_key_value_heads=8,
+    sliding_window=128, rope_theta=150000, layer_types=["sliding_attention", "full_attention"] * 12,
+)
+GPT_OSS_SMALL = dict(GPT_OSS_20B, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=4096,
+                     hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
+                     layer_types=["sliding_attention", "full_attention"] * 2)
 MODELS = {  # name: (module, config, --small config)
     "qwen3-0.6b": (qwen3, QWEN3_0_6B, SMALL),
     "deepseek-v2-lite": (deepseek_v3, DEEPSEEK_V2_LITE, DEEPSEEK_SMALL),
+    "gpt-oss-20b": (gpt_oss, GPT_OSS_20B, GPT_OSS_SMALL),
 }
 
 

@@ -108,6 +108,8 @@ def test_decode_reads_only_the_blocks_a_window_reaches():
     same, start = window_tables(tables, lens, 40, 8)  # a window that can reach 6 blocks: all of them
     assert same is tables and start is None
 
+
+class NoWindowKernel:
     """A plugin kernel without ``windowed``: it cannot serve sliding-window layers."""
 
     name = "no-window"

@@ -166,7 +166,6 @@ class PagedLatentCache(PagedLayerCache):
     def __init__(self, num_blocks, block_size, row_dim, latent_dim, dtype, kernel, kv_bits=None, kv_group_size=64):
         check_quantization(kv_bits, kv_group_size, (row_dim,), LATENT_ROWS)
         self._make_pools(num_blocks, 1, block_size, (row_dim,), dtype, kernel, kv_bits, kv_group_size)
-        self.window = None
         self.latent_dim = latent_dim
         self._rope_identity = mx.eye(row_dim - latent_dim, dtype=dtype)[None, None]  # see update_and_fetch
 
