@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 import pytest
-from models import tiny_any
+from models import ROPE, tiny_any
 from test_engine import random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -37,7 +37,9 @@ def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
 
 
 def test_ministral3_s_positions_are_per_row():
-    model = tiny_any("ministral3")
+    """Its attention scale grows with each row's own position (Llama 4 scaling)."""
+    rope = {**ROPE, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 16}
+    model = tiny_any("ministral3", rope_parameters=rope)
     prompts = random_prompts([20, 45], seed=9)
     outputs = Engine(model, num_blocks=16).generate(prompts, SamplingParams(max_tokens=8))
     assert [o.token_ids for o in outputs] == [reference(model, p, 8) for p in prompts]

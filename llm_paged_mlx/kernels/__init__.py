@@ -25,7 +25,7 @@ Optional:
 - ``windowed = True``: ``__call__`` also takes ``window`` (each query attends
   to its last ``window`` tokens only) and ``sinks`` (``(Hq,)`` logits, one
   per query head, that join the softmax with no value) as keyword arguments,
-  passed only when set. The engine refuses sliding-window models with kernels
+  both passed when either is set. The engine refuses sliding-window models with kernels
   without it.
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``

@@ -48,7 +48,8 @@ class PortableKernel:
             parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
-            parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale, window, sinks))
+            table, length = chunk.block_table, chunk.context_len
+            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
@@ -115,26 +116,36 @@ def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, 
     """
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
-    options = (window, sinks)
+    chunk = (queries, k_pool, v_pool, block_table, context_len, scale)
+    block_size = k_pool.shape[2]
+    reach = context_len - window_start(context_len - n, window, block_size) * block_size  # keys gathered
     if fused_prefill(n, k_pool, v_pool):
-        heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (context_len * context_bytes(k_pool, v_pool)))
+        heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (reach * context_bytes(k_pool, v_pool)))
         if heads:
-            return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads, *options)
+            return grouped_prefill_attention(*chunk, heads, window, sinks)
     tile = prefill_tile(n, q_heads, k_pool, v_pool)
-    if context_len > tile:
-        return tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile, *options)
-    return grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, kv_heads, *options)
+    if reach > tile:
+        return tiled_prefill_attention(*chunk, tile, window, sinks)
+    return grouped_prefill_attention(*chunk, kv_heads, window, sinks)
 
 
 def visible_keys(query_positions: mx.array, key_positions: mx.array, window=None) -> mx.array:
-    """Which keys each query attends to ``(n, L)``: those at or before it, and within its last ``window``."""
-    visible = key_positions[None] <= query_positions[:, None]
+    """Which keys queries attend to (the two broadcast against each other): those at or before the query,
+    and within its last ``window`` tokens."""
+    visible = key_positions <= query_positions
     if window is not None:
-        visible = visible & (key_positions[None] > query_positions[:, None] - window)
+        visible = visible & (key_positions > query_positions - window)
     return visible
 
 
-def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None):
+def window_start(first_query: int, window, block_size: int) -> int:
+    """The first block (index in a block table) a window of queries from position ``first_query`` on reaches."""
+    return 0 if window is None else max(0, first_query - window + 1) // block_size
+
+
+def grouped_prefill_attention(
+    queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None
+):
     """``prefill_attention`` with the whole context gathered, ``heads`` KV heads at a time.
 
     Each group is evaluated before the next is gathered, so only one group's
@@ -142,16 +153,21 @@ def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len,
     """
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
+    block_size = k_pool.shape[2]
     rep = q_heads // kv_heads
+    # Only the blocks the queries' windows reach are gathered: keys from position `start` on.
+    start = window_start(context_len - n, window, block_size) * block_size
+    block_table, length = block_table[start // block_size :], context_len - start
     if window is not None and context_len > window:
-        mask = visible_keys(mx.arange(context_len - n, context_len), mx.arange(context_len), window)
+        queries_at = mx.arange(context_len - n, context_len)[:, None]
+        mask = visible_keys(queries_at, mx.arange(start, context_len)[None], window)
     else:
         mask = "causal" if n > 1 else None
     parts = []
     for first in range(0, kv_heads, heads):
         group = slice(first, min(first + heads, kv_heads))
-        k = gather_context(k_pool, block_table, context_len, group)
-        v = k if v_pool is k_pool else gather_context(v_pool, block_table, context_len, group)  # MLA: one pool
+        k = gather_context(k_pool, block_table, length, group)
+        v = k if v_pool is k_pool else gather_context(v_pool, block_table, length, group)  # MLA: one pool
         q_group = slice(group.start * rep, group.stop * rep)
         q = queries[:, q_group].swapaxes(0, 2)  # (1, Hq of the group, n, D)
         group_sinks = None if sinks is None else sinks[q_group]
@@ -162,7 +178,9 @@ def grouped_prefill_attention(queries, k_pool, v_pool, block_table, context_len,
     return out.swapaxes(0, 2)
 
 
-def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None):
+def tiled_prefill_attention(
+    queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None
+):
     """``prefill_attention`` over ``tile``-token slices of the context, merged with an online softmax.
 
     Every slice has ``tile`` tokens (the last one padded with the null block and
@@ -185,18 +203,19 @@ def tiled_prefill_attention(queries, k_pool, v_pool, block_table, context_len, s
     else:
         peak = mx.broadcast_to(sinks.astype(mx.float32).reshape(kv_heads, rep, 1, 1), (kv_heads, rep, n, 1))
         total = mx.ones((kv_heads, rep, n, 1), mx.float32)
-    window = mx.array(context_len if window is None else window, mx.int32)
+    reach = mx.array(context_len if window is None else window, mx.int32)
     out = mx.zeros((kv_heads, rep, n, v_pool.shape[-1]), mx.float32)
     per_tile = tile // block_size
-    tiles = -(-context_len // tile)
-    used = block_table[: -(-context_len // block_size)]
+    first = window_start(context_len - n, window, block_size)  # tiles start at the first block a window reaches
+    used = block_table[first : -(-context_len // block_size)]
+    tiles = -(-used.size // per_tile)
     block_table = mx.pad(used, (0, tiles * per_tile - used.size))
     for index in range(tiles):
-        start = index * tile
+        start = (first + index * per_tile) * block_size
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
         k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
         v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
-        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), window, peak, total, out)
+        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), reach, peak, total, out)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
         mx.eval(peak, total, out)
@@ -210,7 +229,8 @@ def _attend_tile(q, k, v, positions, start, window, peak, total, out):
     heads, rep, n, _ = out.shape
     length = k.shape[1]
     scores = (q @ k.swapaxes(1, 2)).astype(mx.float32).reshape(heads, rep, n, length)
-    scores = mx.where(visible_keys(positions, mx.arange(length, dtype=mx.int32) + start, window), scores, -mx.inf)
+    keys_at = (mx.arange(length, dtype=mx.int32) + start)[None]
+    scores = mx.where(visible_keys(positions[:, None], keys_at, window), scores, -mx.inf)
     # A query that has seen no key yet (a tile before its window) keeps a max of -inf: exp() takes 0 for it.
     new_peak = mx.maximum(peak, scores.max(axis=-1, keepdims=True))
     finite_peak = mx.where(new_peak == -mx.inf, 0, new_peak)
@@ -275,7 +295,9 @@ def decode_attention(
         for s in range(0, rep, MAX_GATHER_ROWS):
             q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
             part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
-            part = decode_attention(q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start)
+            part = decode_attention(
+                q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start
+            )
             parts.append(part.reshape(rows, kv_heads, -1, dv))
         return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
 
@@ -297,10 +319,7 @@ def decode_attention(
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
     if table_start is not None:
         position = position + table_start.reshape(rows, 1, 1, 1, 1)
-    lens = context_lens.reshape(rows, 1, 1, 1, 1)
-    visible = position < lens
-    if window is not None:
-        visible = visible & (position >= lens - window)
+    visible = visible_keys(context_lens.reshape(rows, 1, 1, 1, 1) - 1, position, window)
     scores = mx.where(visible, scores, -mx.inf)  # (R, H, W, rep, bs)
     peak = scores.max(axis=(2, 4), keepdims=True)  # finite: a row sees its own token
     if sinks is not None:  # one more logit per query head, with no value

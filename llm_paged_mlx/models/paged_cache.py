@@ -61,8 +61,9 @@ class PagedLayerCache:
     """
 
     def __init__(
-        self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel, kv_bits=None, kv_group_size=64, window=None
-    ):
+        self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel,
+        kv_bits=None, kv_group_size=64, window=None,
+    ):  # fmt: skip
         """``window``: each query attends to its last ``window`` tokens only (a sliding-window layer)."""
         check_quantization(kv_bits, kv_group_size, (k_dim, v_dim), KV_ROWS)
         self._make_pools(num_blocks, num_kv_heads, block_size, (k_dim, v_dim), dtype, kernel, kv_bits, kv_group_size)
@@ -110,10 +111,10 @@ class PagedLayerCache:
         else:
             k_pool = QuantizedPool(*pools[:3], self.bits, self.group_size)
             v_pool = QuantizedPool(*pools[3:], self.bits, self.group_size)
-        options = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
+        window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not getattr(self.kernel, "windowed", False):
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
-        out = self.kernel(queries, k_pool, v_pool, self.plan, scale, **options)
+        out = self.kernel(queries, k_pool, v_pool, self.plan, scale, **window_and_sinks)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
@@ -273,7 +274,8 @@ class LayerLayout:
     def make_cache(self, num_blocks, block_size, kernel, kv_bits=None, kv_group_size=64) -> "PagedLayerCache":
         """This layer's pool of ``num_blocks`` blocks, behind mlx-lm's cache protocol."""
         if self.latent:
-            return PagedLatentCache(num_blocks, block_size, self.k_dim, self.v_dim, self.dtype, kernel, kv_bits, kv_group_size)
+            dims = (self.k_dim, self.v_dim, self.dtype)
+            return PagedLatentCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size)
         dims = (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
         return PagedLayerCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size, self.window)
 
@@ -311,11 +313,13 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
     caches = [cache for _, cache in labelled]
     odd = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
     if odd:
-        kind = "recurrent state" if odd == ["ArraysCache"] else "a cache of its own"
-        raise ValueError(f"{model_type}: needs {', '.join(odd)} ({kind}), not supported yet")
+        kind = " (recurrent state)" if "ArraysCache" in odd else ""
+        raise ValueError(f"{model_type}: needs {', '.join(odd)}{kind}, not supported yet")
     for label, cache in labelled:
         if type(cache) is RotatingKVCache and cache.keep:
-            raise ValueError(f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet")
+            raise ValueError(
+                f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet"
+            )
     modules = install_attention_hook(model)
     if not modules:
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
