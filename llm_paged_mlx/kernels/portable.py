@@ -146,7 +146,7 @@ def window_start(first_query: int, window, block_size: int) -> int:
 def grouped_prefill_attention(
     queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None
 ):
-    """``prefill_attention`` with the whole context gathered, ``heads`` KV heads at a time.
+    """``prefill_attention`` with the context its queries see gathered, ``heads`` KV heads at a time.
 
     Each group is evaluated before the next is gathered, so only one group's
     context is held at once.
@@ -203,7 +203,7 @@ def tiled_prefill_attention(
     else:
         peak = mx.broadcast_to(sinks.astype(mx.float32).reshape(kv_heads, rep, 1, 1), (kv_heads, rep, n, 1))
         total = mx.ones((kv_heads, rep, n, 1), mx.float32)
-    reach = mx.array(context_len if window is None else window, mx.int32)
+    window_size = mx.array(context_len if window is None else window, mx.int32)
     out = mx.zeros((kv_heads, rep, n, v_pool.shape[-1]), mx.float32)
     per_tile = tile // block_size
     first = window_start(context_len - n, window, block_size)  # tiles start at the first block a window reaches
@@ -215,7 +215,7 @@ def tiled_prefill_attention(
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
         k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
         v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
-        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), reach, peak, total, out)
+        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), window_size, peak, total, out)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
         mx.eval(peak, total, out)
