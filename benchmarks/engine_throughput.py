@@ -7,6 +7,7 @@ and 2 shared) in mlx-lm's ``deepseek_v3`` module, which caches the latent
 ``--model gpt-oss-20b`` a gpt-oss-20b-shaped one (24 layers alternating a
 128-token window and full attention, attention sinks, 32 experts of which 4 per
 token).
+
 Meant for a GPU (the H200 runs it through MLX's CUDA backend); it also runs on
 the CPU with ``--small``. Every request generates exactly ``--new-tokens``
 tokens (EOS ignored), so only time differs between the systems. Each system
