@@ -1,4 +1,4 @@
-"""Quantized linear layers that multiply a step's rows as one matrix.
+"""Layers that multiply a step's rows as one matrix: quantized linear layers and MLA's per-head ones.
 
 Engine steps feed the model inputs of shape ``(T, 1)``: every token is its own
 batch row, at its own position. ``mx.matmul`` folds such a batch into one
@@ -7,10 +7,15 @@ one row each, which MLX's GPU backends run as matrix-vector products (reading
 the weights once per row) or as tiles padded from one row. The layers here
 reshape their input to ``(1, T, K)`` first: one product with the same values,
 the shape mlx-lm's own prefill gives it.
+
+MLA's ``MultiLinear`` (one matrix per head, mlx-lm's ``mla`` module) gets
+queries ``(T, H, 1, D)``, which ``x @ w`` takes as ``T * H`` products of one
+row; folded, they go as ``(1, H, T, D)``: one ``(T, D)`` product per head.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
 
 def _folded(multiply, x: mx.array) -> mx.array:
@@ -30,11 +35,33 @@ class RowFoldedQuantizedEmbedding(nn.QuantizedEmbedding):
         return _folded(super().as_linear, x)
 
 
-_FOLDED = {nn.QuantizedLinear: RowFoldedQuantizedLinear, nn.QuantizedEmbedding: RowFoldedQuantizedEmbedding}
+def _heads_folded(multiply, x: mx.array, transpose: bool) -> mx.array:
+    if x.ndim != 4 or x.shape[2] != 1:
+        return multiply(x, transpose)
+    return multiply(x.swapaxes(0, 2), transpose).swapaxes(0, 2)  # (T, H, 1, D) as (1, H, T, D)
+
+
+class RowFoldedMultiLinear(MultiLinear):
+    def __call__(self, x, transpose=True):
+        return _heads_folded(super().__call__, x, transpose)
+
+
+class RowFoldedQuantizedMultiLinear(QuantizedMultiLinear):
+    def __call__(self, x, transpose=True):
+        return _heads_folded(super().__call__, x, transpose)
+
+
+_FOLDED = {
+    nn.QuantizedLinear: RowFoldedQuantizedLinear,
+    nn.QuantizedEmbedding: RowFoldedQuantizedEmbedding,
+    MultiLinear: RowFoldedMultiLinear,
+    QuantizedMultiLinear: RowFoldedQuantizedMultiLinear,
+}
 
 
 def fold_quantized_rows(model: nn.Module) -> int:
-    """Make the model's quantized linear layers (exactly MLX's classes) fold rows; returns how many changed."""
+    """Make the model's quantized linear and MLA per-head layers (exactly MLX's and mlx-lm's classes) fold rows;
+    returns how many changed."""
     changed = 0
     for _, module in model.named_modules():
         folded = _FOLDED.get(type(module))

@@ -1,0 +1,47 @@
+"""Time to the first token of one long prompt: the engine against mlx-lm's generate_step, in one process.
+
+    PYTHONPATH=. python3 benchmarks/prefill_time.py --model deepseek-v2-lite --small --tokens 512 2048
+
+Models as in ``engine_throughput.py`` (random weights). Each prompt runs twice on each system
+(the first run compiles and warms up); the second run's time is reported. The engine's prefix
+cache is off, so both compute the whole prompt.
+"""
+
+import argparse
+import time
+
+import mlx.core as mx
+from engine_throughput import MODELS, build_model, prompts_for  # this folder
+from mlx_lm.generate import generate_step
+
+from llm_paged_mlx import Engine, SamplingParams
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    args = parser.parse_args()
+    dtype = mx.float32 if args.small else mx.bfloat16
+    module, config, small = MODELS[args.model]
+    model = build_model(module, small if args.small else config, dtype)
+    engine = Engine(model, kv_budget_bytes=1 << 30, enable_prefix_caching=False)
+    print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
+          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}")
+    print("| prompt tokens | engine s | mlx-lm s | engine / mlx-lm |")
+    print("|---:|---:|---:|---:|")
+    for tokens in args.tokens:
+        prompt = prompts_for(1, model.args.vocab_size, seed=tokens, low=tokens, high=tokens)[0]
+        for _ in range(2):
+            start = time.perf_counter()
+            engine.generate([prompt], SamplingParams(max_tokens=1))
+            ours = time.perf_counter() - start
+            start = time.perf_counter()
+            next(generate_step(mx.array(prompt), model, max_tokens=1))
+            theirs = time.perf_counter() - start
+        print(f"| {tokens} | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
