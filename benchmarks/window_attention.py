@@ -14,7 +14,8 @@ import time
 
 import mlx.core as mx
 
-from llm_paged_mlx.kernels.portable import decode_attention, prefill_attention, window_tables
+from llm_paged_mlx.kernels.plan import window_tables
+from llm_paged_mlx.kernels.portable import decode_attention, prefill_attention
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, CHUNK, ROWS, WINDOW = 16, 4, 8, 64, 256, 8, 128
 

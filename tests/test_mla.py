@@ -202,10 +202,10 @@ def test_one_kv_head_used_as_k_and_v_with_a_float_mask_is_not_taken_for_mla():
     assert [layout.latent for layout in check_model(model)] == [False, False]
 
 
-class HeadsOnlyKernel:
-    """A plugin kernel that attends K/V heads only: it has no ``latent_attention``."""
+class BareKernel:
+    """A plugin kernel with only the required interface: no ``latent_attention``, not ``windowed``."""
 
-    name = "heads-only"
+    name = "bare"
     auto_priority = 0
 
     def is_available(self):
@@ -216,6 +216,6 @@ class HeadsOnlyKernel:
 
 
 def test_a_kernel_without_latent_attention_is_refused_for_mla_models(monkeypatch):
-    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: HeadsOnlyKernel())
-    with pytest.raises(ValueError, match="^deepseek_v3: attention kernel 'heads-only' has no latent_attention"):
+    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: BareKernel())
+    with pytest.raises(ValueError, match="^deepseek_v3: attention kernel 'bare' has no latent_attention"):
         Engine(tiny_mla("deepseek_v3"), num_blocks=16)

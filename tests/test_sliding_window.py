@@ -4,10 +4,12 @@ import mlx.core as mx
 import pytest
 from models import ROPE, tiny_any
 from test_engine import random_prompts, reference, run_staggered
+from test_mla import BareKernel
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
-from llm_paged_mlx.kernels.portable import PortableKernel, window_tables
+from llm_paged_mlx.kernels.plan import window_tables
+from llm_paged_mlx.kernels.portable import PortableKernel
 
 WINDOW = 32
 # The window, and a layer stack of a sliding-window layer, then a full-attention one, in each model's own words.
@@ -111,20 +113,7 @@ def test_decode_reads_only_the_blocks_a_window_reaches():
     assert same is tables and start is None
 
 
-class NoWindowKernel:
-    """A plugin kernel without ``windowed``: it cannot serve sliding-window layers."""
-
-    name = "no-window"
-    auto_priority = 0
-
-    def is_available(self):
-        return True
-
-    def __call__(self, *args):
-        return PortableKernel()(*args)
-
-
 def test_a_kernel_without_windows_is_refused_for_sliding_window_models(monkeypatch):
-    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: NoWindowKernel())
-    with pytest.raises(ValueError, match="^gemma3_text: attention kernel 'no-window' does not take a window"):
+    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: BareKernel())
+    with pytest.raises(ValueError, match="^gemma3_text: attention kernel 'bare' does not take a window"):
         Engine(tiny_any("gemma3_text"), num_blocks=16)

@@ -12,7 +12,7 @@ import signal
 import mlx.core as mx
 import pytest
 from faults import Fault, Injector, run_through_faults
-from models import tiny_model
+from models import tiny_any, tiny_model
 from test_engine import random_prompts, reference
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -20,6 +20,7 @@ from llm_paged_mlx.engine import engine as engine_module
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.engine.scheduler import FCFSPolicy
 from llm_paged_mlx.engine.swap import CPUSwapPolicy
+from llm_paged_mlx.kernels.portable import PortableKernel
 
 LENGTHS = [40, 300, 120, 7, 64, 200]
 MAX_TOKENS = 60  # long enough that slots written one position off show up in the tokens
@@ -234,4 +235,24 @@ def test_a_prefill_failing_between_its_groups_of_heads_is_undone(error, monkeypa
     assert len(second_head) == 3
     for prompt, tokens, want in zip(prompts, got, expected):
         assert tokens == want, f"prompt of {len(prompt)} tokens"
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize(
+    "arch, overrides, kernel_entry",
+    [("deepseek_v3", {}, "latent_attention"), ("gpt_oss", dict(sliding_window=32), "__call__")],
+    ids=["mla", "sliding-window-and-sinks"],
+)
+def test_a_failed_attention_call_of_an_mla_or_windowed_model_is_undone(arch, overrides, kernel_entry, monkeypatch):
+    """The kernel fails inside a step (MLA's latent attention; a windowed call with sinks): the step is undone,
+    every request still gets mlx-lm's tokens and every block comes back."""
+    model = tiny_any(arch, **overrides)
+    prompts = random_prompts(LENGTHS, seed=5)
+    expected = [reference(model, p, 30) for p in prompts]
+    injector = Injector(monkeypatch, PortableKernel, kernel_entry, [7])
+    engine = small_engine(model)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=30))
+    assert injector.failures == 1
+    assert engine.stats()["preemptions"] > 0
+    assert got == expected
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

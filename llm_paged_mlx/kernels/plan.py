@@ -58,6 +58,15 @@ class AttentionPlan:
             self._cache[key] = idx + offset[:, None]
         return self._cache[key]
 
+    def window_tables(self, window: int) -> tuple[mx.array, "mx.array | None"]:
+        """The decode rows' block tables narrowed to the columns a ``window`` can reach, and the position
+        each row's first column starts at (None when nothing was cut), shared by the step's layers."""
+        key = ("window", window)
+        if key not in self._cache:
+            tables, lens = self.decode_block_tables, self.decode_context_lens
+            self._cache[key] = window_tables(tables, lens, window, self.block_size)
+        return self._cache[key]
+
     def row_tables(self) -> tuple[mx.array, mx.array]:
         """Every row as a single query: ``(T, max_blocks)`` block tables and ``(T,)`` context lengths."""
         if "rows" not in self._cache:
@@ -77,3 +86,15 @@ class AttentionPlan:
                 mx.concatenate(lens).astype(mx.int32),
             )
         return self._cache["rows"]
+
+
+def window_tables(block_tables, context_lens, window: int, block_size: int):
+    """The columns of decode block tables that a ``window`` can reach, and the position each row's first
+    one starts at: ``(tables (R, W'), start (R,))``, W' at most ``ceil(window / block_size) + 1``."""
+    span = -(-window // block_size) + 1
+    width = block_tables.shape[1]
+    if width <= span:
+        return block_tables, None
+    first = mx.maximum(context_lens - window, 0) // block_size  # the first block a row's window reaches
+    columns = mx.minimum(first[:, None] + mx.arange(span, dtype=mx.int32)[None], width - 1)
+    return mx.take_along_axis(block_tables, columns, axis=1), first * block_size

@@ -42,9 +42,8 @@ class PortableKernel:
         parts = []
         if plan.num_decode:
             q = queries[: plan.num_decode]
-            tables, lens, start = plan.decode_block_tables, plan.decode_context_lens, None
-            if window is not None:
-                tables, start = window_tables(tables, lens, window, plan.block_size)
+            tables, start = (plan.decode_block_tables, None) if window is None else plan.window_tables(window)
+            lens = plan.decode_context_lens
             parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
@@ -249,24 +248,12 @@ MAX_GATHER_PRODUCTS = 65535
 MAX_GATHER_ROWS = 64
 
 
-def window_tables(block_tables, context_lens, window: int, block_size: int):
-    """The columns of decode block tables that a ``window`` can reach, and the position each row's first
-    one starts at: ``(tables (R, W'), start (R,))``, W' at most ``ceil(window / block_size) + 1``."""
-    span = -(-window // block_size) + 1
-    width = block_tables.shape[1]
-    if width <= span:
-        return block_tables, None
-    first = mx.maximum(context_lens - window, 0) // block_size  # the first block a row's window reaches
-    columns = mx.minimum(first[:, None] + mx.arange(span, dtype=mx.int32)[None], width - 1)
-    return mx.take_along_axis(block_tables, columns, axis=1), first * block_size
-
-
 def decode_attention(
     queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None, table_start=None
 ):
     """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``: over its last
     ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
-    ``table_start`` ``(R,)``: the position of each row's first table entry, if not 0 (``window_tables``).
+    ``table_start`` ``(R,)``: the position of each row's first table entry, if not 0 (``plan.window_tables``).
 
     Scores and weighted values are ``mx.gather_mm`` products of each (row, KV
     head) with each block of its table, at most ``MAX_GATHER_PRODUCTS`` per call;
