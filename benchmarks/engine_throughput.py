@@ -6,7 +6,10 @@ and 2 shared) in mlx-lm's ``deepseek_v3`` module, which caches the latent
 (``deepseek_v2`` caches full per-head K/V): multi-head latent attention.
 ``--model gpt-oss-20b`` a gpt-oss-20b-shaped one (24 layers alternating a
 128-token window and full attention, attention sinks, 32 experts of which 4 per
-token).
+token). ``--model qwen3.5-27b`` a Qwen3.5-27B-shaped hybrid (64 layers: three
+gated-delta-net layers, then one of gated full attention; the recurrent layers'
+head counts, 16 key and 48 value heads of 128, are assumed), whose recurrent
+state takes slots of the engine's budget.
 
 Meant for a GPU (the H200 runs it through MLX's CUDA backend); it also runs on
 the CPU with ``--small``. Every request generates exactly ``--new-tokens``
@@ -30,7 +33,7 @@ import time
 import mlx.core as mx
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import deepseek_v3, gpt_oss, qwen3
+from mlx_lm.models import deepseek_v3, gpt_oss, qwen3, qwen3_5
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -58,10 +61,23 @@ GPT_OSS_20B = dict(
 GPT_OSS_SMALL = dict(GPT_OSS_20B, num_hidden_layers=4, num_local_experts=8, num_experts_per_tok=2, vocab_size=4096,
                      hidden_size=256, intermediate_size=256, num_attention_heads=8, num_key_value_heads=2,
                      layer_types=["sliding_attention", "full_attention"] * 2)
+QWEN3_5_27B_TEXT = dict(
+    model_type="qwen3_5_text", hidden_size=5120, num_hidden_layers=64, intermediate_size=17408,
+    num_attention_heads=24, num_key_value_heads=4, head_dim=256, vocab_size=248320, linear_num_key_heads=16,
+    linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+    full_attention_interval=4, rms_norm_eps=1e-6, tie_word_embeddings=False, max_position_embeddings=262144,
+)
+QWEN3_5_27B = dict(model_type="qwen3_5", text_config=QWEN3_5_27B_TEXT)
+QWEN3_5_SMALL = dict(model_type="qwen3_5", text_config=dict(
+    QWEN3_5_27B_TEXT, hidden_size=256, num_hidden_layers=4, intermediate_size=512, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=64, vocab_size=4096, linear_num_key_heads=2, linear_num_value_heads=4,
+    linear_key_head_dim=64, linear_value_head_dim=64,
+))
 MODELS = {  # name: (module, config, --small config)
     "qwen3-0.6b": (qwen3, QWEN3_0_6B, SMALL),
     "deepseek-v2-lite": (deepseek_v3, DEEPSEEK_V2_LITE, DEEPSEEK_SMALL),
     "gpt-oss-20b": (gpt_oss, GPT_OSS_20B, GPT_OSS_SMALL),
+    "qwen3.5-27b": (qwen3_5, QWEN3_5_27B, QWEN3_5_SMALL),
 }
 
 
@@ -129,12 +145,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
-    model = build_model(module, small if args.small else config, dtype)
-    vocab = model.args.vocab_size
+    config = small if args.small else config
+    model = build_model(module, config, dtype)
+    vocab = (config.get("text_config") or config)["vocab_size"]
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
           f"{'small ' if args.small else ''}{args.model}-shaped {dtype}, {args.new_tokens} new tokens per request")
-    layouts = Engine(model, num_blocks=4, verify_model=False).runner.layouts
-    print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in layouts):,}")
+    runner = Engine(model, num_blocks=4, verify_model=False).runner
+    print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in runner.layouts):,}")
+    if runner.state_layouts:
+        per_sequence = sum(layout.bytes_per_sequence for layout in runner.state_layouts)
+        print(f"recurrent state bytes per sequence: {per_sequence:,}")
+    del runner
     single_stream_tps(model, prompts_for(1, vocab)[0], 8)
     print(f"one stream (mlx-lm generate_step): {single_stream_tps(model, prompts_for(1, vocab)[0], args.new_tokens):.1f} tok/s")
     columns = [(k, True) for k in args.kernels] + [(k, False) for k in args.kernels if args.eager]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from llm_paged_mlx import Engine  # noqa: E402
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel  # noqa: E402
 from llm_paged_mlx.models.loading import load_model  # noqa: E402
-from llm_paged_mlx.models.paged_cache import PagedLayerCache, check_model  # noqa: E402
+from llm_paged_mlx.models.paged_cache import LayerLayout, PagedLayerCache, check_model  # noqa: E402
 
 GROUP_SIZE = 64
 BITS = (8, 4)
@@ -131,7 +131,7 @@ def measure_quality(model, tokens: list[int], chunk: int, bits=BITS, as_rows=Fal
     "agree": ...}}`` and, under ``"full_max_abs_diff"``, the largest difference between the two
     systems' full-precision logits. ``as_rows`` sends the engine's chunks to the kernel as rows.
     """
-    layouts = check_model(model)  # installs the attention hook: paged caches go to the paged kernel
+    layouts = kv_layouts(model)  # installs the attention hook: paged caches go to the paged kernel
     kernel = select_kernel("portable")
     runs = {("engine", b): PagedSequence(model, layouts, len(tokens), kernel, b, as_rows=as_rows) for b in (None, *bits)}
     runs.update({("mlx-lm", b): MlxLmSequence(model, b) for b in (None, *bits)})
@@ -228,8 +228,15 @@ def quality_table(model, tokenizer, num_tokens: int, chunk: int, as_rows=False):
             print(f"| {label}, {b}-bit | {kl.mean():.3e} | {kl.max():.3e} | {agree.mean():.2%} | {ratio} |")
 
 
-def capacity_table(model, budget: int):
+def kv_layouts(model) -> list[LayerLayout]:
     layouts = check_model(model)
+    if not all(isinstance(layout, LayerLayout) for layout in layouts):
+        raise SystemExit("kv_quality.py measures models whose every cache holds K/V (no recurrent layers)")
+    return layouts
+
+
+def capacity_table(model, budget: int):
+    layouts = kv_layouts(model)
     context = getattr(getattr(model, "args", None), "max_position_embeddings", None)
     print(f"\n## One sequence's K/V in a budget of {budget / 2**20:g} MiB (group size {GROUP_SIZE})\n")
     print(

@@ -59,7 +59,7 @@ class PagedOptions(BaseModel):
         None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
     )
     max_num_seqs: Optional[int] = Field(
-        None, ge=1, description="Most requests decoded together in one step (default 64); raise it to serve many clients at once"
+        None, ge=1, description="Most requests decoded together in one step (default 64, fewer for hybrid models whose recurrent state would fill half the budget); raise it to serve many clients at once"
     )
     max_num_batched_tokens: Optional[int] = Field(
         None, ge=1, description="Most tokens (prompt chunks and decoded tokens) in one step (default 2048)"

@@ -205,8 +205,8 @@ def test_bad_engine_options(option, value, message):
 
 
 def test_unsupported_models_are_refused():
-    with pytest.raises(ValueError, match=r"^mamba: needs ArraysCache \(recurrent state\), not supported yet"):
-        Engine(tiny_any("mamba"))
+    with pytest.raises(ValueError, match=r"^deepseek_v41: needs LayerCache, not supported yet"):
+        Engine(tiny_any("deepseek_v41"))
 
 
 def test_priority_policy_serves_smaller_priority_first():

@@ -167,8 +167,8 @@ def test_float32_decode_with_more_query_heads_per_kv_head_than_one_product_takes
     [
         ("deepseek_v32", "sparse attention is not supported: its indexer reads cached keys directly"),
         ("glm_moe_dsa", "sparse attention is not supported: its indexer reads cached keys directly"),
-        ("kimi_linear", "needs ArraysCache (recurrent state)"),  # linear attention layers
-        ("bailing_hybrid", "needs ArraysCache (recurrent state)"),
+        ("kimi_linear", "multi-head latent attention beside recurrent layers"),  # linear attention layers
+        ("bailing_hybrid", "multi-head latent attention beside recurrent layers"),
     ],
 )
 def test_sparse_and_linear_attention_variants_are_refused_with_what_is_missing(arch, reason):

@@ -10,9 +10,11 @@ import mlx.core as mx
 
 from .. import plugins
 from ..kernels import select_kernel
-from ..models.paged_cache import architecture, check_model, model_config
+from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
+from ..models.state_cache import StateLayout
 from .block_manager import BlockManager
+from .disk.format import device, host
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_reserve
@@ -28,6 +30,7 @@ DEFAULT_KV_BUDGET = 2 * 1024**3
 # The pools start this large (or as large as one step needs) and grow as requests need blocks, up to the
 # budget: a large budget costs nothing until it is used, and allocating it whole takes seconds on some machines.
 INITIAL_POOL_BYTES = 128 * 1024**2
+DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclass
@@ -86,6 +89,14 @@ class Engine:
     model in place, with the same results for mlx-lm: attention calls go
     through a hook that leaves other caches to mlx-lm, and quantized linear
     layers multiply a step's rows as one matrix (``models.quantized_rows``).
+
+    Models with recurrent layers (hybrids such as Qwen3.5) keep each running
+    sequence's state beside its blocks (``models.state_cache``); the state of
+    ``max_num_seqs`` sequences counts in the budget (``max_num_seqs`` is 64
+    unless given, or for these models as many as half the budget holds the
+    state of). A preempted sequence's state is kept in host memory with its
+    K/V, or computed again with them. Prefix caching and its disk tier are off
+    for them (a state is not kept per block): ``stats()`` says so.
     """
 
     def __init__(
@@ -99,7 +110,7 @@ class Engine:
         memory_fraction: float = DEFAULT_MEMORY_FRACTION,
         kv_bits: Optional[int] = None,
         kv_group_size: int = 64,
-        max_num_seqs: int = 64,
+        max_num_seqs: Optional[int] = None,
         max_num_batched_tokens: int = 2048,
         scheduler: str = "fcfs",
         attention_kernel: str = "auto",
@@ -110,7 +121,7 @@ class Engine:
         verify_model: bool = True,
         verdict_file=None,
     ):
-        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+        if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
         self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
@@ -119,7 +130,11 @@ class Engine:
             raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
-        layouts = check_model(model)
+        all_layouts = check_model(model)
+        layouts = [layout for layout in all_layouts if isinstance(layout, LayerLayout)]
+        state_layouts = [layout for layout in all_layouts if isinstance(layout, StateLayout)]
+        if state_layouts:
+            enable_prefix_caching, kv_disk_cache = False, None
         if any(layout.latent for layout in layouts) and not hasattr(self.kernel, "latent_attention"):
             raise ValueError(
                 f"{architecture(model)}: attention kernel {self.kernel.name!r} has no latent_attention, "
@@ -132,21 +147,38 @@ class Engine:
             )
         fold_quantized_rows(model)
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
+        per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
         self.model = model
         self.tokenizer = tokenizer
         if num_blocks is None:
-            budget = self._budget(kv_budget_bytes, memory_fraction, max_num_seqs, max_num_batched_tokens)
-            num_blocks = budget // block_bytes
+            # Prompts of hybrid models run right-padded: up to twice the step's tokens.
+            step_tokens = max_num_batched_tokens * (2 if state_layouts else 1)
+            budget = self._budget(kv_budget_bytes, memory_fraction, max_num_seqs or DEFAULT_MAX_NUM_SEQS, step_tokens)
+            if max_num_seqs is None and per_sequence:  # as many sequences as half the budget holds the state of
+                max_num_seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, budget // 2 // per_sequence))
+            max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            state_bytes = max_num_seqs * per_sequence
+            num_blocks = (budget - state_bytes) // block_bytes
             if num_blocks < 2:
-                raise ValueError(f"a KV budget of {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes")
+                states = f" after {format_size(state_bytes)} of recurrent state for {max_num_seqs} sequences"
+                raise ValueError(
+                    f"a KV budget of {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes"
+                    + (states + " (lower max_num_seqs or raise the budget)" if state_bytes else "")
+                )
+        else:
+            max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
+            state_bytes = max_num_seqs * per_sequence
         self._block_bytes = block_bytes
         self.max_blocks = num_blocks
-        self.kv_budget_bytes = num_blocks * block_bytes
+        self.state_bytes = state_bytes
+        self.kv_budget_bytes = num_blocks * block_bytes + state_bytes
         # Enough blocks for one step's tokens, each sequence's next block and the null block.
         self._step_blocks = -(-max_num_batched_tokens // block_size) + max_num_seqs + 1
         initial = min(self.max_blocks, max(INITIAL_POOL_BYTES // block_bytes, 2 * self._step_blocks))
         self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(model, layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size)
+        self.runner = ModelRunner(
+            model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size
+        )
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
@@ -341,7 +373,7 @@ class Engine:
                 self._discard(handle)
             for request in handles.unreadable:  # a damaged swap file must not fail every later step
                 self._discard(request.swap_handle)
-                request.swap_handle, request.num_computed = None, 0
+                request.swap_handle, request.saved_state, request.num_computed = None, None, 0
             raise
         self.runner.commit()
         self.scheduler.commit()
@@ -380,6 +412,9 @@ class Engine:
             else:
                 handles.created.append(handle)
             request.swap_handle = handle
+            if self.runner.states:  # the recurrent state goes with the K/V (or is computed again with them)
+                request.saved_state = self._save_state(request) if handle is not None else None
+                self.runner.states.release(request.request_id)
         self._copy_blocks()
         for request in plan.swapped_in:
             table = request.blocks.table[: self._blocks_for(request.num_computed)]
@@ -390,6 +425,9 @@ class Engine:
                 raise
             handles.consumed.append(request.swap_handle)
             request.swap_handle = None
+            if self.runner.states:
+                self.runner.states.write(request.request_id, [device(a, dtype) for a, dtype in request.saved_state])
+                request.saved_state = None
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
             arrays = zip(*(data for _, data in plan.disk_loads))
             self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
@@ -519,6 +557,12 @@ class Engine:
         except Exception as e:  # what is lost is the policy's own storage, not a request's tokens
             warnings.warn(f"swap policy {type(self.swap).__name__}: discard failed ({e})", RuntimeWarning)
 
+    def _save_state(self, request: Request) -> list:
+        """Host copies of a running request's recurrent state, for ``runner.states.write``."""
+        state = self.runner.states.read(request.request_id)
+        mx.eval(state)
+        return [(host(a), a.dtype) for a in state]
+
     def _copy_blocks(self) -> None:
         copies = self.blocks.take_copies()
         if copies:
@@ -549,6 +593,8 @@ class Engine:
         if request.swap_handle is not None:
             self._discard(request.swap_handle)
             request.swap_handle = None
+        request.saved_state = None
+        self.runner.states.release(request.request_id)
         self.scheduler.remove(request)
         del self.requests[request.request_id]
         text = self.texts.pop(request.request_id, None)
@@ -622,7 +668,11 @@ class Engine:
             "used_blocks": used,
             "cached_blocks": len(self.blocks.cached),
             "kv_cache_bytes": self.runner.kv_bytes,
+            "recurrent_state_bytes": self.state_bytes,  # the budget's share for max_num_seqs sequences
+            "recurrent_states": self.runner.states.num_sequences,
+            "prefix_caching": self.blocks.enable_prefix_caching,
             "running": len(self.scheduler.running),
+            "max_num_seqs": self.scheduler.max_num_seqs,
             "waiting": len(self.scheduler.waiting),
             "preemptions": self.scheduler.num_preemptions,
             "prefix_cache_query_tokens": self.scheduler.prefix_query_tokens,

@@ -41,7 +41,7 @@ DECODE_STEPS = 3
 _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the reason for refusing
 _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
-_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py")
+_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/state_cache.py")
 
 
 class _NoVerdict(Exception):
@@ -212,18 +212,22 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
         return [logits[i] for i in range(logits.shape[0])]
 
     first = size + size // 2  # the long prefill's first chunk ends mid-block, the second crosses a boundary
-    (short_prefill,) = step(chunk(a, first), chunk(b, short_len))
-    b.output_token_ids.append(short[short_len])
-    short_rows, long_rows = [short_prefill], []
-    mixed = step(chunk(b, 1), chunk(a, long_len - first))  # single-token chunks first, as the scheduler orders
-    short_rows.append(mixed[0])
-    long_rows.append(mixed[1])
-    for i in range(DECODE_STEPS):
-        a.output_token_ids.append(long[long_len + i])
-        b.output_token_ids.append(short[short_len + 1 + i])
-        row_a, row_b = step(chunk(a, 1), chunk(b, 1))
-        long_rows.append(row_a)
-        short_rows.append(row_b)
+    try:
+        (short_prefill,) = step(chunk(a, first), chunk(b, short_len))
+        b.output_token_ids.append(short[short_len])
+        short_rows, long_rows = [short_prefill], []
+        mixed = step(chunk(b, 1), chunk(a, long_len - first))  # single-token chunks first, as the scheduler orders
+        short_rows.append(mixed[0])
+        long_rows.append(mixed[1])
+        for i in range(DECODE_STEPS):
+            a.output_token_ids.append(long[long_len + i])
+            b.output_token_ids.append(short[short_len + 1 + i])
+            row_a, row_b = step(chunk(a, 1), chunk(b, 1))
+            long_rows.append(row_a)
+            short_rows.append(row_b)
+    finally:
+        for request in (a, b):  # what models with recurrent layers keep of them
+            runner.states.release(request.request_id)
     return long_rows + short_rows
 
 

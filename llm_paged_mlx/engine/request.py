@@ -83,6 +83,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
+    saved_state: Optional[list] = None  # with a swap handle: host copies of its recurrent state, if it has one
     num_preemptions: int = 0
     num_bypassed: int = 0  # later-ranked requests admitted while this one waited for blocks
     stop_token_ids: frozenset = frozenset()  # EOS (unless ignored) and SamplingParams.stop_token_ids

@@ -8,17 +8,27 @@ K/V pools go in and come back as arrays, updated in place. Other steps build
 their graph eagerly. A compiled step replays its trace instead of running the
 model's Python code and fuses elementwise operations: less host work, which is
 most of a GPU step for small models (benchmarks/RESULTS.md).
+
+Models with recurrent layers (``models.state_cache``) cannot take a prefill
+chunk as rows: a recurrence runs along a sequence's tokens. Their steps run
+the single-token chunks as rows of one call and the longer chunks as
+sequences, right-padded into calls of shape ``(B, L)``, and keep each running
+sequence's state (``engine.states``).
 """
 
+import functools
 import warnings
 from typing import Optional
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..models.paged_cache import LayerLayout, model_caches
+from ..models.state_cache import StateLayout, honours_lengths
 from .scheduler import ScheduledChunk
+from .states import RecurrentStates
 
 # Architectures whose Model.__call__ is exactly "body, then tied embedding or lm_head":
 # for them only the rows that are sampled go through the vocabulary projection.
@@ -43,7 +53,7 @@ class ModelRunner:
     def __init__(
         self,
         model,
-        layouts: list[LayerLayout],
+        layouts: list[LayerLayout | StateLayout],
         num_blocks: int,
         block_size: int,
         kernel,
@@ -51,13 +61,25 @@ class ModelRunner:
         kv_bits=None,
         kv_group_size: int = 64,
     ):
-        """``kv_bits`` (8 or 4) stores K/V quantized in groups of ``kv_group_size`` (``kernels.quantized``)."""
+        """``layouts``: one per cache the model takes (``check_model``). ``kv_bits`` (8 or 4) stores K/V
+        quantized in groups of ``kv_group_size`` (``kernels.quantized``)."""
         self.model = model
-        self.layouts = layouts
+        self.all_layouts = layouts
+        self.layouts = [layout for layout in layouts if isinstance(layout, LayerLayout)]
+        self.state_layouts = [layout for layout in layouts if isinstance(layout, StateLayout)]
         self.block_size = block_size
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.caches = [layout.make_cache(num_blocks, block_size, kernel, kv_bits, kv_group_size) for layout in layouts]
-        self._model_caches = model_caches(model, self.caches)
+        made = [
+            layout.make_cache(num_blocks, block_size, kernel, kv_bits, kv_group_size)
+            if isinstance(layout, LayerLayout)
+            else layout.make_cache()
+            for layout in layouts
+        ]
+        self.caches = [c for c, layout in zip(made, layouts) if isinstance(layout, LayerLayout)]
+        self.states = RecurrentStates([c for c, layout in zip(made, layouts) if isinstance(layout, StateLayout)])
+        # Whether prefill chunks of several sequences can share a right-padded call.
+        self._pads_sequences = bool(self.states) and honours_lengths(model, lambda: make_prompt_cache(model))
+        self._model_caches = model_caches(model, made)
         mx.eval(self.pools())
         self.split = projects_sampled_rows_only(model)
         self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
@@ -69,7 +91,7 @@ class ModelRunner:
     def with_pools(self, num_blocks: int) -> "ModelRunner":
         """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
         kernel = self.caches[0].kernel
-        return ModelRunner(self.model, self.layouts, num_blocks, self.block_size, kernel, self.compile_steps)
+        return ModelRunner(self.model, self.all_layouts, num_blocks, self.block_size, kernel, self.compile_steps)
 
     @property
     def num_blocks(self) -> int:
@@ -91,6 +113,7 @@ class ModelRunner:
         for cache in self.caches:
             cache.arrays = [mx.zeros(a.shape, a.dtype) for a in cache.arrays]
             cache.plan = None
+        self.states.clear()
         mx.eval(self.pools())
 
     def grow(self, num_blocks: int) -> None:
@@ -110,6 +133,7 @@ class ModelRunner:
 
     def begin(self) -> None:
         self._kept = []
+        self.states.begin()
 
     def protect(self, blocks: list[int]) -> None:
         """Keep a copy of the blocks' K/V as they are now, for ``rollback`` to write back."""
@@ -120,6 +144,7 @@ class ModelRunner:
 
     def commit(self) -> None:
         self._kept = None
+        self.states.commit()
 
     def rollback(self) -> None:
         """Write back what ``protect`` kept. What else the step wrote stays, in slots no one reads."""
@@ -128,13 +153,12 @@ class ModelRunner:
         self._kept = None
         for cache in self.caches:
             cache.plan = None
+        self.states.rollback()
 
     def _set_pools(self, pools: list[mx.array]) -> None:
-        start = 0
+        parts = iter(pools)
         for cache in self.caches:
-            count = len(cache.arrays)
-            cache.arrays = list(pools[start : start + count])
-            start += count
+            cache.arrays = [next(parts) for _ in cache.arrays]
 
     @property
     def kv_bytes(self) -> int:
@@ -179,7 +203,7 @@ class ModelRunner:
         if self.compile_steps and all(self._as_rows(c) for c in chunks):
             hidden = self._forward_rows(chunks, input_tokens)
         else:
-            hidden = self._forward_eager(chunks, input_tokens)
+            hidden = self._forward_uncompiled(chunks, input_tokens)
         count = len(sample_rows)
         if count == 0 or sample_rows[-1] == count - 1:  # rows 0..count-1 (decode steps): a slice, no gather
             hidden = hidden[:count, 0]
@@ -193,7 +217,7 @@ class ModelRunner:
 
     def launch(self, *outputs) -> None:
         """Start evaluating the step (the given outputs and every pool write) without waiting for it."""
-        mx.async_eval(*outputs, self.pools())
+        mx.async_eval(*outputs, self.pools(), self.states.arrays())  # the states too: lazy, they hold activations
         for cache in self.caches:
             cache.plan = None
 
@@ -207,14 +231,18 @@ class ModelRunner:
         """Whether the chunk's tokens can be served as single-query rows."""
         if chunk.num_tokens == 1:
             return True
+        if self.states:  # a recurrence runs along the sequence
+            return False
         end = chunk.request.num_computed + chunk.num_tokens
         return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)
 
-    def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools):
-        """The traced step: every row one query; takes and returns the pools."""
+    def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):
+        """The traced step: every row one query; takes and returns the pools and the rows' recurrent state."""
         self._set_pools(pools)
         plan = AttentionPlan(self.block_size, positions, slots, tokens.shape[0], block_tables, context_lens)
-        return self._body(tokens[:, None], plan), self.pools()
+        self.states.bind_flat(states)
+        hidden = self._body(tokens[:, None], plan)
+        return hidden, self.pools(), self.states.unbind_flat()
 
     def _forward_rows(self, chunks, input_tokens) -> mx.array:
         num_rows = sum(c.num_tokens for c in chunks)
@@ -238,21 +266,29 @@ class ModelRunner:
         # Each row sees its context up to and including its own position.
         arrays = [padded] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
         pools = self.pools()
+        keys = [c.request.request_id if c.request.num_computed else None for c in chunks]
+        states = self.states.gather_flat(keys + [None] * (rows - num_rows))
         shape = (rows, width)
         traced = shape in self._traced_shapes
         try:
-            hidden, new_pools = self._compiled_for(shape)(*arrays, pools)
+            hidden, new_pools, new_states = self._compiled_for(shape)(*arrays, pools, states)
         except BaseException as e:
             self._set_pools(pools)  # a failed trace must not leave its placeholders in the caches
+            self.states.abandon_call()
             if traced or not isinstance(e, Exception):
                 raise
             self._traced_shapes.discard(shape)
-            hidden = self._forward_eager(chunks, input_tokens)  # a step that fails eagerly too raises here
+            self.compile_steps = False
+            try:
+                hidden = self._forward_uncompiled(chunks, input_tokens)
+            except BaseException:  # it fails eagerly too: the trace was not to blame
+                self.compile_steps = True
+                raise
             # The model's code cannot be traced (it reads array values, say): run its steps eagerly.
             warnings.warn(f"steps of this model cannot be compiled ({e}); running them eagerly", RuntimeWarning, stacklevel=2)
-            self.compile_steps = False
             return hidden
         self._set_pools(new_pools)
+        self.states.keep_flat([c.request.request_id for c in chunks], new_states)
         return hidden
 
     def _compiled_for(self, shape: tuple[int, int]):
@@ -262,6 +298,86 @@ class ModelRunner:
                 self._traced_shapes.clear()
             self._traced_shapes.add(shape)
         return self._compiled_rows
+
+    def _forward_calls(self, chunks, input_tokens) -> mx.array:
+        """A step of a model with recurrent layers: its single-token chunks as rows of one call, then its
+        longer chunks as sequences, right-padded in calls of similar lengths (one call each if the model's
+        recurrent layers do not take padding)."""
+        count = sum(c.num_tokens == 1 for c in chunks)
+        singles, longer = chunks[:count], chunks[count:]
+        if any(c.num_tokens == 1 for c in longer):
+            raise ValueError("single-token chunks must come first")
+        parts, calls = {}, []  # each chunk's hidden rows (the single-token chunks' under the first of them)
+        if singles and self.compile_steps:
+            parts[id(singles[0])] = self._forward_rows(singles, input_tokens)[:count]  # less its padding rows
+        elif singles:
+            calls.append((singles, functools.partial(self._forward_eager, singles, input_tokens)))
+        for group in self._sequence_groups(longer):
+            calls.append((group, functools.partial(self._forward_sequences, group)))
+        for group, call in calls:
+            keys = [c.request.request_id if c.request.num_computed else None for c in group]
+            lengths = None if group is singles or len(group) == 1 else [c.num_tokens for c in group]
+            with self.states.bound(keys, [c.request.request_id for c in group], lengths):
+                rows = call()
+            if group is singles:
+                parts[id(group[0])] = rows
+                continue
+            start = 0
+            for chunk in group:
+                parts[id(chunk)] = rows[start : start + chunk.num_tokens]
+                start += chunk.num_tokens
+        hidden = [parts[id(c)] for c in singles[:1] + longer]
+        return mx.concatenate(hidden) if len(hidden) > 1 else hidden[0]
+
+    def _sequence_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
+        """Chunks to run as one right-padded call each: longest first, each call as large as keeps its
+        padded tokens within twice its chunks' own. (Few calls matter: on backends without mlx-lm's
+        recurrence kernels a call loops over its length in Python.)"""
+        if not self._pads_sequences:
+            return [[c] for c in chunks]
+        groups: list[list[ScheduledChunk]] = []
+        for chunk in sorted(chunks, key=lambda c: -c.num_tokens):
+            group = groups[-1] if groups else []
+            tokens = sum(c.num_tokens for c in group) + chunk.num_tokens
+            if group and (len(group) + 1) * group[0].num_tokens <= 2 * tokens:
+                group.append(chunk)
+            else:
+                groups.append([chunk])
+        return groups
+
+    def _forward_sequences(self, group: list[ScheduledChunk]) -> mx.array:
+        """Chunks of several tokens as the rows of a ``(B, L)`` call, right-padded; their hidden rows
+        ``(T, 1, D)``, chunk after chunk."""
+        length = max(c.num_tokens for c in group)
+        tokens = np.zeros((len(group), length), dtype=np.int32)
+        positions, slots, rows, prefills, starts = [], [], [], [], []
+        for b, chunk in enumerate(group):
+            request, n = chunk.request, chunk.num_tokens
+            start = request.num_computed
+            tokens[b, :n] = request.token_slice(start, start + n)
+            used = -(-(start + n) // self.block_size)
+            table = mx.array(request.blocks.table[:used], dtype=mx.int32)
+            prefills.append(PrefillChunk(len(positions), n, start + n, table))
+            positions += range(start, start + n)
+            slots += chunk.slots
+            rows += range(b * length, b * length + n)
+            starts.append(start)
+        plan = AttentionPlan(
+            block_size=self.block_size,
+            positions=mx.array(positions, dtype=mx.int32),
+            slots=mx.array(slots, dtype=mx.int32),
+            num_decode=0,
+            decode_block_tables=mx.zeros((0, 0), dtype=mx.int32),
+            decode_context_lens=mx.zeros((0,), dtype=mx.int32),
+            prefills=prefills,
+            sequence_starts=mx.array(starts, dtype=mx.int32),
+            sequence_rows=mx.array(rows, dtype=mx.int32),
+        )
+        hidden = self._body(mx.array(tokens), plan)
+        return hidden.reshape(-1, 1, hidden.shape[-1])[plan.sequence_rows]
+
+    def _forward_uncompiled(self, chunks, input_tokens) -> mx.array:
+        return self._forward_calls(chunks, input_tokens) if self.states else self._forward_eager(chunks, input_tokens)
 
     def _forward_eager(self, chunks, input_tokens) -> mx.array:
         tokens, positions, slots = [], [], []

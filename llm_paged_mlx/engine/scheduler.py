@@ -99,6 +99,7 @@ _REQUEST_STATE = (
     "status",
     "num_computed",
     "swap_handle",
+    "saved_state",
     "num_cached_tokens",
     "num_disk_cached_tokens",
     "num_preemptions",

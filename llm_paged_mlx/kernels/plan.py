@@ -2,7 +2,10 @@
 
 A step packs every scheduled token into its own row of the model's batch, so
 the model sees inputs of shape ``(T, 1)``: the tokens of all decoding
-sequences first, then each prefill chunk as a run of consecutive rows. Every
+sequences first, then each prefill chunk as a run of consecutive rows. (Models
+with recurrent layers take prefill chunks as sequences instead: a call of shape
+``(B, L)``, each chunk a row, right-padded; ``as_rows`` and ``from_rows`` turn
+its queries, keys and values into the kernel's rows and back.) Every
 row is one query at its own position; a kernel may serve all rows as
 single-token queries (``row_block_tables``/``row_context_lens``) or treat a
 prefill chunk as one causal block (``prefills``).
@@ -35,7 +38,34 @@ class AttentionPlan:
     decode_block_tables: mx.array  # (num_decode, max_blocks) int32, padded with 0
     decode_context_lens: mx.array  # (num_decode,) int32
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # A call of sequences ``(B, L)`` instead of rows: each sequence's first position ``(B,)``, and where each
+    # row is in the call's flattened ``(B * L)`` tokens ``(T,)``.
+    sequence_starts: "mx.array | None" = None
+    sequence_rows: "mx.array | None" = None
     _cache: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def rope_offsets(self) -> mx.array:
+        """What the model's RoPE takes as ``cache.offset``: one position per batch entry."""
+        return self.positions if self.sequence_starts is None else self.sequence_starts
+
+    def as_rows(self, x: mx.array) -> mx.array:
+        """A call's ``(B, heads, L, D)`` queries, keys or values as the kernel's rows ``(T, heads, 1, D)``."""
+        if self.sequence_rows is None:
+            return x
+        batch, heads, length, dim = x.shape
+        flat = x.transpose(0, 2, 1, 3).reshape(batch * length, heads, dim)
+        return flat[self.sequence_rows][:, :, None]
+
+    def from_rows(self, rows: mx.array, like: mx.array) -> mx.array:
+        """The kernel's output rows ``(T, heads, 1, D)`` in the layout of the call's queries ``like``
+        (zeros at padding)."""
+        if self.sequence_rows is None:
+            return rows
+        batch, heads, length, _ = like.shape
+        flat = mx.zeros((batch * length, heads, rows.shape[-1]), dtype=rows.dtype)
+        flat[self.sequence_rows] = rows[:, :, 0]
+        return flat.reshape(batch, length, heads, -1).transpose(0, 2, 1, 3)
 
     @property
     def num_rows(self) -> int:

@@ -20,7 +20,9 @@ latent part.
 
 A step feeds the model inputs of shape ``(T, 1)``: every token is its own row
 at its own position (``cache.offset`` is a ``(T,)`` array), see
-``kernels.plan``.
+``kernels.plan``. Models with recurrent layers (their state: ``state_cache``)
+take prompts as right-padded sequences ``(B, L)`` instead; ``cache.offset``
+then holds each sequence's first position.
 """
 
 import contextlib
@@ -31,10 +33,11 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import CacheList, KVCache, RotatingKVCache, make_prompt_cache
+from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.quantized import QuantizedPool, check_quantization
+from .state_cache import StateLayout
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
 _SDPA_SIGNATURE = inspect.signature(_original_sdpa)
@@ -89,9 +92,10 @@ class PagedLayerCache:
 
     @property
     def offset(self):
-        return self.plan.positions
+        return self.plan.rope_offsets
 
     def update_and_fetch(self, keys, values):
+        keys, values = self.plan.as_rows(keys), self.plan.as_rows(values)
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
         for x, arrays in ((keys, self.arrays[: self.parts]), (values, self.arrays[self.parts :])):
@@ -114,12 +118,12 @@ class PagedLayerCache:
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not getattr(self.kernel, "windowed", False):
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
-        out = self.kernel(queries, k_pool, v_pool, self.plan, scale, **window_and_sinks)
+        out = self.kernel(self.plan.as_rows(queries), k_pool, v_pool, self.plan, scale, **window_and_sinks)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
             mx.eval(out)
-        return out
+        return self.plan.from_rows(out, queries)
 
     def block_rows(self, blocks: list[int]) -> mx.array:
         """The flat pool rows that hold the given blocks, block after block."""
@@ -290,9 +294,9 @@ def architecture(model: nn.Module) -> str:
     return getattr(model_config(model), "model_type", None) or type(model).__module__.split(".")[-1]
 
 
-def check_model(model: nn.Module) -> list[LayerLayout]:
-    """The K/V layout of each cache the model takes (``CacheList`` members in order), or a ValueError
-    saying why the model is not supported."""
+def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
+    """The layout of each cache the model takes (``CacheList`` members in order): K/V for attention
+    layers, state for recurrent ones; or a ValueError saying why the model is not supported."""
     model_type = architecture(model)
     if model_type in _ARANGE_POSITION_MODELS:
         raise ValueError(f"{model_type}: builds RoPE positions with arange(offset), which needs one offset per batch")
@@ -311,10 +315,11 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
         for j, cache in enumerate(entry.caches if type(entry) is CacheList else (entry,))
     ]
     caches = [cache for _, cache in labelled]
-    odd = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache)})
+    odd = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache, ArraysCache)})
     if odd:
-        kind = " (recurrent state)" if "ArraysCache" in odd else ""
-        raise ValueError(f"{model_type}: needs {', '.join(odd)}{kind}, not supported yet")
+        raise ValueError(f"{model_type}: needs {', '.join(odd)}, not supported yet")
+    if all(type(c) is ArraysCache for c in caches):
+        raise ValueError(f"{model_type}: has no attention layers (only recurrent state), nothing to page")
     for label, cache in labelled:
         if type(cache) is RotatingKVCache and cache.keep:
             raise ValueError(
@@ -329,6 +334,9 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
         raise ValueError(f"{model_type}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
     layouts = []
     for label, cache in labelled:
+        if type(cache) is ArraysCache:  # what one token left in it: the state's shape per sequence
+            layouts.append(StateLayout(tuple(None if a is None else (a.shape[1:], a.dtype) for a in cache.cache)))
+            continue
         if cache.keys is None:
             raise ValueError(f"{model_type}: {label} stores no K/V in its cache")
         if id(cache) not in calls:  # the paged kernel would never see this layer's queries
@@ -348,6 +356,8 @@ def check_model(model: nn.Module) -> list[LayerLayout]:
             _, heads, _, k_dim = cache.keys.shape
             window = cache.max_size if type(cache) is RotatingKVCache else None
             layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype, window=window))
+    if any(isinstance(x, StateLayout) for x in layouts) and any(getattr(x, "latent", False) for x in layouts):
+        raise ValueError(f"{model_type}: multi-head latent attention beside recurrent layers is not supported yet")
     return layouts
 
 
