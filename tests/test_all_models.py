@@ -7,11 +7,11 @@ skipped with its reason; every other one must be refused by ``Engine()`` with
 a ValueError naming its architecture, or give mlx-lm's greedy tokens for two
 concurrent prompts crossing block boundaries in chunked prefills.
 
-With mlx-lm 0.32.2: 105 exact (MLA, sliding-window and hybrid recurrent models among them), 21 refused (4 wrong
+With mlx-lm 0.32.2: 106 exact (MLA, sliding-window, softcapped and hybrid recurrent models among them), 20 refused (4 wrong
 logits (plamo, plamo3, iquestloopcoder, gemma4[kv-shared]), 4 MLA beside recurrent layers (bailing_hybrid, kimi_k3,
 kimi_linear, longcat_flash_ngram), 3 no attention layers (mamba, mamba2, rwkv7), 2 arange RoPE positions
-(gpt_bigcode, llama4), 2 sparse attention (deepseek_v32, glm_moe_dsa), 2 no scaled_dot_product_attention (gemma2,
-plamo2), 1 a cache of its own (deepseek_v41), 1 cache not passed to it (phi3small), 1 failing on the paged cache
+(gpt_bigcode, llama4), 2 sparse attention (deepseek_v32, glm_moe_dsa), 1 no scaled_dot_product_attention (plamo2),
+1 a cache of its own (deepseek_v41), 1 cache not passed to it (phi3small), 1 failing on the paged cache
 (afm7), 1 a layer storing no K/V (nemotron-nas)),
 3 skipped (``pytest -rs`` shows the reasons):
 - ModelArgs not filled generically: olmo (its module exits without the ai2-olmo package).

@@ -1,4 +1,5 @@
-"""Sliding-window layers and attention sinks on the paged engine: the kernels' masks and the models that use them."""
+"""Sliding-window layers, attention sinks and softcapped scores on the paged engine: the kernels' masks and the
+models that use them."""
 
 import mlx.core as mx
 import pytest
@@ -38,6 +39,18 @@ def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
     assert engine.stats()["free_blocks"] == 63
 
 
+def test_gemma2_s_softcapped_attention_matches_mlx_lm_with_preemption():
+    """Its own attention code softcaps the scores; the engine hands its layers to the kernel with the cap.
+    The reference is a model of its own, which the engine has not adapted."""
+    prompts = random_prompts([3, 31, 33, 70, 150, 250, 300, 90], seed=10)
+    expected = [reference(tiny_any("gemma2", attn_logit_softcapping=5.0), p, 40) for p in prompts]
+    model = tiny_any("gemma2", attn_logit_softcapping=5.0)
+    engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=64)
+    got = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=6)
+    assert got == expected
+    assert engine.stats()["preemptions"] > 0
+
+
 def test_ministral3_s_positions_are_per_row():
     """Its attention scale grows with each row's own position (Llama 4 scaling)."""
     rope = {**ROPE, "llama_4_scaling_beta": 0.5, "original_max_position_embeddings": 16}
@@ -50,7 +63,7 @@ def test_ministral3_s_positions_are_per_row():
 # -- the portable kernel's window and sinks against a dense reference ---------------------------------
 
 
-def dense_attention(queries, keys, values, scale, window, sinks):
+def dense_attention(queries, keys, values, scale, window, sinks, softcap=None):
     """Queries ``(n, Hq, D)`` at the last n positions over keys and values ``(L, Hkv, D)``, causal."""
     n, q_heads, _ = queries.shape
     length, kv_heads, _ = keys.shape
@@ -58,6 +71,8 @@ def dense_attention(queries, keys, values, scale, window, sinks):
     k = mx.repeat(keys, rep, axis=1).transpose(1, 2, 0)  # (Hq, D, L)
     v = mx.repeat(values, rep, axis=1).transpose(1, 0, 2)  # (Hq, L, D)
     scores = (queries.transpose(1, 0, 2) * scale) @ k  # (Hq, n, L)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     q_pos, k_pos = mx.arange(length - n, length)[:, None], mx.arange(length)[None]
     visible = (k_pos <= q_pos) & (k_pos > q_pos - (window or length))
     scores = mx.where(visible, scores, -mx.inf)
@@ -72,7 +87,10 @@ def dense_attention(queries, keys, values, scale, window, sinks):
 @pytest.mark.parametrize("window", [None, 5, 24])
 @pytest.mark.parametrize("with_sinks", [False, True])
 @pytest.mark.parametrize("tiled", [False, True])
-def test_window_and_sinks_of_decode_and_prefill_rows_match_a_dense_reference(window, with_sinks, tiled, monkeypatch):
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_window_sinks_and_softcap_of_decode_and_prefill_rows_match_a_dense_reference(
+    window, with_sinks, tiled, softcap, monkeypatch
+):
     """Two decode rows and a 21-token prefill chunk over scattered 8-token blocks, 6 query / 2 KV heads."""
     if tiled:  # the prefill chunk goes over its context in 16-token tiles, some wholly before a query's window
         monkeypatch.setattr("llm_paged_mlx.kernels.portable.prefill_tile", lambda *args: 16)
@@ -93,11 +111,11 @@ def test_window_and_sinks_of_decode_and_prefill_rows_match_a_dense_reference(win
         decode_context_lens=mx.array(lengths[:2], dtype=mx.int32),
         prefills=[PrefillChunk(2, 21, 75, mx.array(tables[2], dtype=mx.int32))],
     )
-    out = PortableKernel()(queries, k_pool, v_pool, plan, 0.25, window=window, sinks=sinks)
+    out = PortableKernel()(queries, k_pool, v_pool, plan, 0.25, window=window, sinks=sinks, softcap=softcap)
     for table, length, rows in zip(tables, lengths, [slice(0, 1), slice(1, 2), slice(2, 23)]):
         keys = k_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
         values = v_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
-        want = dense_attention(queries[rows, :, 0], keys, values, 0.25, window, sinks)
+        want = dense_attention(queries[rows, :, 0], keys, values, 0.25, window, sinks, softcap)
         assert mx.allclose(out[rows, :, 0], want, atol=1e-5).item()
 
 
@@ -117,3 +135,9 @@ def test_a_kernel_without_windows_is_refused_for_sliding_window_models(monkeypat
     monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: BareKernel())
     with pytest.raises(ValueError, match="^gemma3_text: attention kernel 'bare' does not take a window"):
         Engine(tiny_any("gemma3_text"), num_blocks=16)
+
+
+def test_a_kernel_without_softcapping_is_refused_for_gemma2(monkeypatch):
+    monkeypatch.setattr("llm_paged_mlx.engine.engine.select_kernel", lambda name: BareKernel())
+    with pytest.raises(ValueError, match="^gemma2: attention kernel 'bare' does not take softcapped scores"):
+        Engine(tiny_any("gemma2"), num_blocks=16)

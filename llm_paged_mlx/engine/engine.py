@@ -12,6 +12,7 @@ from .. import plugins
 from ..kernels import select_kernel
 from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
+from ..models.softcapped import has_softcapped_attention
 from ..models.state_cache import StateLayout
 from .block_manager import BlockManager
 from .disk.format import device, host
@@ -144,6 +145,11 @@ class Engine:
             raise ValueError(
                 f"{architecture(model)}: attention kernel {self.kernel.name!r} does not take a window, "
                 "which the model's sliding-window layers need"
+            )
+        if has_softcapped_attention(model) and not getattr(self.kernel, "softcapped", False):
+            raise ValueError(
+                f"{architecture(model)}: attention kernel {self.kernel.name!r} does not take softcapped scores, "
+                "which the model's attention needs"
             )
         fold_quantized_rows(model)
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)

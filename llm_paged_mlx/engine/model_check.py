@@ -41,7 +41,10 @@ DECODE_STEPS = 3
 _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the reason for refusing
 _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
-_OWN_SOURCES = ("engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/state_cache.py")
+_OWN_SOURCES = (
+    "engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/softcapped.py",
+    "models/state_cache.py",
+)  # fmt: skip
 
 
 class _NoVerdict(Exception):

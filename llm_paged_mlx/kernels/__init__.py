@@ -27,6 +27,10 @@ Optional:
   per query head, that join the softmax with no value) as keyword arguments,
   both passed when either is set. The engine refuses sliding-window models with kernels
   without it.
+- ``softcapped = True``: ``__call__`` also takes ``softcap`` as a keyword
+  argument (passed when set): scores are taken as ``softcap * tanh(scores /
+  softcap)`` before the mask and softmax (Gemma 2). The engine refuses such
+  models with kernels without it.
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
   whose rows are the keys and whose first ``value_dim`` values are the values;

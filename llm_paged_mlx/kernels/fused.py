@@ -92,6 +92,7 @@ class FusedKernel:
     compilable = True
     quantized = True  # takes quantized.QuantizedPool pools
     windowed = True  # takes window and sinks (served by the portable kernel)
+    softcapped = True  # takes softcap (served by the portable kernel)
     # A prefill chunk runs as single-query rows of the fused kernel while its
     # tokens x context length is at most this; larger chunks use the portable
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
@@ -117,9 +118,11 @@ class FusedKernel:
         self._checked: dict[tuple, bool] = {}
         self._scales: dict[float, mx.array] = {}
 
-    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None):
-        if window is not None or sinks is not None:  # the template has neither yet
-            return self.portable(queries, k_pool, v_pool, plan, scale, window, sinks)
+    def __call__(
+        self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None, softcap=None
+    ):
+        if window is not None or sinks is not None or softcap is not None:  # the template has none of them yet
+            return self.portable(queries, k_pool, v_pool, plan, scale, window, sinks, softcap)
         if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1]):
             return self.portable(queries, k_pool, v_pool, plan, scale)
         if not plan.prefills:

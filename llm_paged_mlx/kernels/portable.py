@@ -34,21 +34,24 @@ class PortableKernel:
     compilable = True
     quantized = True
     windowed = True
+    softcapped = True
 
     def is_available(self) -> bool:
         return True
 
-    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None):
+    def __call__(
+        self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None, softcap=None
+    ):
         parts = []
         if plan.num_decode:
             q = queries[: plan.num_decode]
             tables, start = (plan.decode_block_tables, None) if window is None else plan.window_tables(window)
             lens = plan.decode_context_lens
-            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start))
+            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start, softcap))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             table, length = chunk.block_table, chunk.context_len
-            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks))
+            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
@@ -105,24 +108,29 @@ def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
     return max(1, PREFILL_ATTENTION_BYTES // per_token // block_size) * block_size
 
 
-def prefill_attention(queries, k_pool, v_pool, block_table, context_len, scale, window=None, sinks=None):
+def prefill_attention(
+    queries, k_pool, v_pool, block_table, context_len, scale, window=None, sinks=None, softcap=None
+):
     """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence: over its last
-    ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
+    ``window`` tokens only, if given, with ``sinks`` (one logit per query head) in the softmax, and with
+    ``softcap``, scores taken as ``softcap * tanh(scores / softcap)``.
 
-    Where MLX's fused attention applies, the context is gathered for as many
-    KV heads at a time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, a context
-    longer than one tile goes tile by tile.
+    Where MLX's fused attention applies (not with ``softcap``), the context is
+    gathered for as many KV heads at a time as fit ``PREFILL_ATTENTION_BYTES``;
+    elsewhere, a context longer than one tile goes tile by tile.
     """
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
     chunk = (queries, k_pool, v_pool, block_table, context_len, scale)
     block_size = k_pool.shape[2]
     reach = context_len - window_start(context_len - n, window, block_size) * block_size  # keys gathered
+    tile = prefill_tile(n, q_heads, k_pool, v_pool)
+    if softcap is not None:  # MLX's attention does not cap scores
+        return tiled_prefill_attention(*chunk, tile, window, sinks, softcap)
     if fused_prefill(n, k_pool, v_pool):
         heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (reach * context_bytes(k_pool, v_pool)))
         if heads:
             return grouped_prefill_attention(*chunk, heads, window, sinks)
-    tile = prefill_tile(n, q_heads, k_pool, v_pool)
     if reach > tile:
         return tiled_prefill_attention(*chunk, tile, window, sinks)
     return grouped_prefill_attention(*chunk, kv_heads, window, sinks)
@@ -178,7 +186,7 @@ def grouped_prefill_attention(
 
 
 def tiled_prefill_attention(
-    queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None
+    queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None, softcap=None
 ):
     """``prefill_attention`` over ``tile``-token slices of the context, merged with an online softmax.
 
@@ -214,7 +222,8 @@ def tiled_prefill_attention(
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
         k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
         v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
-        peak, total, out = _attend_tile(q, k, v, positions, mx.array(start, mx.int32), window_size, peak, total, out)
+        tile_start = mx.array(start, mx.int32)
+        peak, total, out = _attend_tile(q, k, v, positions, tile_start, window_size, peak, total, out, softcap)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores
         # would be held at once.
         mx.eval(peak, total, out)
@@ -223,11 +232,13 @@ def tiled_prefill_attention(
 
 
 @mx.compile
-def _attend_tile(q, k, v, positions, start, window, peak, total, out):
+def _attend_tile(q, k, v, positions, start, window, peak, total, out, softcap):
     """One tile's step of the online softmax: the running max logit, exp-sum and weighted sum of V."""
     heads, rep, n, _ = out.shape
     length = k.shape[1]
     scores = (q @ k.swapaxes(1, 2)).astype(mx.float32).reshape(heads, rep, n, length)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     keys_at = (mx.arange(length, dtype=mx.int32) + start)[None]
     scores = mx.where(visible_keys(positions[:, None], keys_at, window), scores, -mx.inf)
     # A query that has seen no key yet (a tile before its window) keeps a max of -inf: exp() takes 0 for it.
@@ -249,10 +260,12 @@ MAX_GATHER_ROWS = 64
 
 
 def decode_attention(
-    queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None, table_start=None
-):
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None, table_start=None,
+    softcap=None,
+):  # fmt: skip
     """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``: over its last
-    ``window`` tokens only, if given, and with ``sinks`` (one logit per query head) in the softmax.
+    ``window`` tokens only, if given, with ``sinks`` (one logit per query head) in the softmax, and with
+    ``softcap``, scores taken as ``softcap * tanh(scores / softcap)``.
     ``table_start`` ``(R,)``: the position of each row's first table entry, if not 0 (``plan.window_tables``).
 
     Scores and weighted values are ``mx.gather_mm`` products of each (row, KV
@@ -269,7 +282,9 @@ def decode_attention(
         k_pool = block_values(k_pool, used, dtype)
         v_pool = k_pool if same else block_values(v_pool, used, dtype)
         block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
-        out = decode_attention(queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start)
+        out = decode_attention(
+            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+        )
         return out.astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
@@ -283,7 +298,7 @@ def decode_attention(
             q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
             part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
             part = decode_attention(
-                q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start
+                q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start, softcap
             )
             parts.append(part.reshape(rows, kv_heads, -1, dv))
         return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
@@ -303,6 +318,8 @@ def decode_attention(
     kv_index = [mx.contiguous(kv_index[:, :, c]) for c in chunks]
     scores = [mx.gather_mm(q, keys, qi, ki) for qi, ki in zip(q_index, kv_index)]
     scores = (scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=2)).astype(mx.float32)
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
     if table_start is not None:
         position = position + table_start.reshape(rows, 1, 1, 1, 1)

@@ -37,6 +37,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.quantized import QuantizedPool, check_quantization
+from .softcapped import ADAPTED, adapt_attention
 from .state_cache import StateLayout
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
@@ -108,7 +109,9 @@ class PagedLayerCache:
     def make_mask(self, *args, **kwargs):
         return None
 
-    def attend(self, queries, scale, sinks=None):
+    def attend(self, queries, scale, sinks=None, softcap=None):
+        """The kernel's attention of ``queries`` over this layer's pool (``sinks``, ``softcap``: see
+        ``kernels``)."""
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
         if self.bits is None:
             k_pool, v_pool = pools
@@ -118,6 +121,10 @@ class PagedLayerCache:
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not getattr(self.kernel, "windowed", False):
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
+        if softcap is not None:
+            if not getattr(self.kernel, "softcapped", False):
+                raise ValueError(f"attention kernel {self.kernel.name!r} does not take softcapped scores")
+            window_and_sinks["softcap"] = softcap
         out = self.kernel(self.plan.as_rows(queries), k_pool, v_pool, self.plan, scale, **window_and_sinks)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
@@ -326,7 +333,7 @@ def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
                 f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet"
             )
     modules = install_attention_hook(model)
-    if not modules:
+    if not modules and not adapt_attention(model):
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
     try:
         calls = _probe(model, structure, modules)
@@ -392,11 +399,23 @@ def _probe(model: nn.Module, structure: list, modules: list[str]) -> dict[int, b
         calls[id(cache)] = calls.get(id(cache), True) and latent
         return paged_scaled_dot_product_attention(*args, **kwargs)
 
+    def adapted(call):  # softcapped layers (``softcapped``) pass their cache to the paged kernel themselves
+        def recording_call(self, x, mask=None, cache=None):
+            calls[id(cache)] = False
+            return call(self, x, mask, cache)
+
+        return recording_call
+
     for name in modules:
         sys.modules[name].scaled_dot_product_attention = recording
+    own_calls = {cls: cls.__call__ for cls in ADAPTED.values()}
+    for cls, call in own_calls.items():
+        cls.__call__ = adapted(call)
     try:
         mx.eval(model(mx.array([[0]]), cache=structure))  # one token shows each layer's K/V shapes
     finally:
         for name in modules:
             sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
+        for cls, call in own_calls.items():
+            cls.__call__ = call
     return calls
