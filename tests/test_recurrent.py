@@ -1,4 +1,4 @@
-"""Hybrid models on the paged engine: recurrent layers' state in slots beside the K/V blocks."""
+"""Hybrid models on the paged engine: each sequence's recurrent state kept beside its K/V blocks."""
 
 import mlx.nn as nn
 import pytest
@@ -63,8 +63,9 @@ def test_eager_steps_match_compiled_ones():
     assert [o.token_ids for o in compiled] == [o.token_ids for o in eager] == [reference(model, p, 20) for p in prompts]
 
 
-def test_prefix_caching_is_off_and_the_state_counts_in_the_budget(tmp_path):
-    """A state is not kept per block: no prefix cache, no disk tier; the state slots come out of the budget."""
+def test_prefix_caching_is_off_and_the_state_counts_in_the_budget():
+    """A state is not kept per block: no prefix cache; the state of max_num_seqs sequences comes out of the
+    budget."""
     model = hybrid()
     engine = Engine(model, block_size=16, kv_budget_bytes=8 * 1024**2, max_num_seqs=4)
     stats = engine.stats()
@@ -123,7 +124,7 @@ def test_a_hybrid_whose_steps_cannot_be_compiled_runs_them_eagerly():
 
 
 @pytest.mark.parametrize("failing, calls", [("keep", [3, 5]), ("__getitem__", [9, 40])])
-def test_a_failed_step_is_undone_state_and_slots_included(failing, calls, monkeypatch):
+def test_a_failed_step_is_undone_state_included(failing, calls, monkeypatch):
     """A step fails while a recurrent layer reads its state, or as what it wrote is kept: every sequence's
     state is as before the step, every request still gets mlx-lm's tokens and no state is left behind."""
     model = hybrid()

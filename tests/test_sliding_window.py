@@ -3,6 +3,7 @@ models that use them."""
 
 import mlx.core as mx
 import pytest
+from mlx_lm.generate import generate_step
 from models import ROPE, tiny_any
 from test_engine import random_prompts, reference, run_staggered
 from test_mla import BareKernel
@@ -39,15 +40,25 @@ def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
     assert engine.stats()["free_blocks"] == 63
 
 
-def test_gemma2_s_softcapped_attention_matches_mlx_lm_with_preemption():
+def reference_logprobs(model, prompt, max_tokens):
+    """mlx-lm's greedy tokens and each one's log-probability."""
+    steps = generate_step(mx.array(prompt), model, max_tokens=max_tokens, sampler=lambda x: mx.argmax(x, -1))
+    return [(int(token), logprobs[int(token)].item()) for token, logprobs in steps]
+
+
+@pytest.mark.parametrize("cap", [5.0, 50.0])  # 50: Gemma 2's own
+def test_gemma2_s_softcapped_attention_matches_mlx_lm_with_preemption(cap):
     """Its own attention code softcaps the scores; the engine hands its layers to the kernel with the cap.
-    The reference is a model of its own, which the engine has not adapted."""
+    The reference is a model of its own, which the engine has not adapted. The tiny model repeats its
+    tokens, so their log-probabilities are compared too."""
     prompts = random_prompts([3, 31, 33, 70, 150, 250, 300, 90], seed=10)
-    expected = [reference(tiny_any("gemma2", attn_logit_softcapping=5.0), p, 40) for p in prompts]
-    model = tiny_any("gemma2", attn_logit_softcapping=5.0)
+    expected = [reference_logprobs(tiny_any("gemma2", attn_logit_softcapping=cap), p, 20) for p in prompts]
+    model = tiny_any("gemma2", attn_logit_softcapping=cap)
     engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=64)
-    got = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=6)
-    assert got == expected
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=20, logprobs=0))
+    for output, want in zip(outputs, expected):
+        assert output.token_ids == [token for token, _ in want]
+        assert max(abs(got.logprob - logprob) for got, (_, logprob) in zip(output.logprobs, want)) < 1e-4
     assert engine.stats()["preemptions"] > 0
 
 
@@ -60,7 +71,7 @@ def test_ministral3_s_positions_are_per_row():
     assert [o.token_ids for o in outputs] == [reference(model, p, 8) for p in prompts]
 
 
-# -- the portable kernel's window and sinks against a dense reference ---------------------------------
+# -- the portable kernel's window, sinks and softcap against a dense reference ---------------------------
 
 
 def dense_attention(queries, keys, values, scale, window, sinks, softcap=None):

@@ -125,8 +125,9 @@ def prefill_attention(
     block_size = k_pool.shape[2]
     reach = context_len - window_start(context_len - n, window, block_size) * block_size  # keys gathered
     tile = prefill_tile(n, q_heads, k_pool, v_pool)
-    if softcap is not None:  # MLX's attention does not cap scores
-        return tiled_prefill_attention(*chunk, tile, window, sinks, softcap)
+    if softcap is not None:  # MLX's attention does not cap scores: tiles (one, if it fits), a power of 2 blocks
+        reach_tile = (1 << (-(-reach // block_size) - 1).bit_length()) * block_size
+        return tiled_prefill_attention(*chunk, min(tile, reach_tile), window, sinks, softcap)
     if fused_prefill(n, k_pool, v_pool):
         heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (reach * context_bytes(k_pool, v_pool)))
         if heads:

@@ -28,6 +28,7 @@ then holds each sequence's first position.
 import contextlib
 import inspect
 import sys
+import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -332,8 +333,9 @@ def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
             raise ValueError(
                 f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet"
             )
+    adapted = adapt_attention(model)
     modules = install_attention_hook(model)
-    if not modules and not adapt_attention(model):
+    if not modules and not adapted:
         raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
     try:
         calls = _probe(model, structure, modules)
@@ -377,6 +379,9 @@ def model_caches(model: nn.Module, caches: list) -> list:
     ]
 
 
+_PROBE_LOCK = threading.Lock()
+
+
 def _probe(model: nn.Module, structure: list, modules: list[str]) -> dict[int, bool]:
     """Run one token through mlx-lm's own path. For the id of each cache its attention calls were given:
     whether every call attends latents (MLA): one cached head given as both keys and values, the
@@ -406,16 +411,17 @@ def _probe(model: nn.Module, structure: list, modules: list[str]) -> dict[int, b
 
         return recording_call
 
-    for name in modules:
-        sys.modules[name].scaled_dot_product_attention = recording
-    own_calls = {cls: cls.__call__ for cls in ADAPTED.values()}
-    for cls, call in own_calls.items():
-        cls.__call__ = adapted(call)
-    try:
-        mx.eval(model(mx.array([[0]]), cache=structure))  # one token shows each layer's K/V shapes
-    finally:
+    with _PROBE_LOCK:  # the recorders are set on modules and classes that every model in the process shares
+        own_calls = {cls: cls.__call__ for cls in ADAPTED.values()}
         for name in modules:
-            sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
+            sys.modules[name].scaled_dot_product_attention = recording
         for cls, call in own_calls.items():
-            cls.__call__ = call
+            cls.__call__ = adapted(call)
+        try:
+            mx.eval(model(mx.array([[0]]), cache=structure))  # one token shows each layer's K/V shapes
+        finally:
+            for name in modules:
+                sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
+            for cls, call in own_calls.items():
+                cls.__call__ = call
     return calls

@@ -31,7 +31,8 @@ ADAPTED = {gemma2.Attention: PagedGemma2Attention}
 
 
 def adapt_attention(model: nn.Module) -> list[nn.Module]:
-    """Give the model's softcapped attention layers (exactly mlx-lm's classes) the paged call; returns them."""
+    """Give the model's softcapped attention layers (exactly mlx-lm's classes) the paged call, for good (on
+    mlx-lm's own caches it computes what mlx-lm does); returns them."""
     adapted = []
     for _, module in model.named_modules():
         paged = ADAPTED.get(type(module))
