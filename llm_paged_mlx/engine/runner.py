@@ -217,7 +217,7 @@ class ModelRunner:
 
     def launch(self, *outputs) -> None:
         """Start evaluating the step (the given outputs and every pool write) without waiting for it."""
-        mx.async_eval(*outputs, self.pools(), self.states.arrays())  # the states too: lazy, they hold activations
+        mx.async_eval(*outputs, self.pools(), self.states.take_written())  # lazy states would hold activations
         for cache in self.caches:
             cache.plan = None
 
@@ -266,8 +266,7 @@ class ModelRunner:
         # Each row sees its context up to and including its own position.
         arrays = [padded] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
         pools = self.pools()
-        keys = [c.request.request_id if c.request.num_computed else None for c in chunks]
-        states = self.states.gather_flat(keys + [None] * (rows - num_rows))
+        states = self.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
         shape = (rows, width)
         traced = shape in self._traced_shapes
         try:
@@ -315,9 +314,8 @@ class ModelRunner:
         for group in self._sequence_groups(longer):
             calls.append((group, functools.partial(self._forward_sequences, group)))
         for group, call in calls:
-            keys = [c.request.request_id if c.request.num_computed else None for c in group]
             lengths = None if group is singles or len(group) == 1 else [c.num_tokens for c in group]
-            with self.states.bound(keys, [c.request.request_id for c in group], lengths):
+            with self.states.bound(self._state_keys(group), [c.request.request_id for c in group], lengths):
                 rows = call()
             if group is singles:
                 parts[id(group[0])] = rows
@@ -355,9 +353,7 @@ class ModelRunner:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             tokens[b, :n] = request.token_slice(start, start + n)
-            used = -(-(start + n) // self.block_size)
-            table = mx.array(request.blocks.table[:used], dtype=mx.int32)
-            prefills.append(PrefillChunk(len(positions), n, start + n, table))
+            prefills.append(self._prefill_chunk(chunk, len(positions)))
             positions += range(start, start + n)
             slots += chunk.slots
             rows += range(b * length, b * length + n)
@@ -375,6 +371,17 @@ class ModelRunner:
         )
         hidden = self._body(mx.array(tokens), plan)
         return hidden.reshape(-1, 1, hidden.shape[-1])[plan.sequence_rows]
+
+    def _prefill_chunk(self, chunk: ScheduledChunk, row: int) -> PrefillChunk:
+        """The plan's entry for a chunk of several tokens starting at ``row``."""
+        start, n = chunk.request.num_computed, chunk.num_tokens
+        used = -(-(start + n) // self.block_size)  # blocks its last token's context spans
+        return PrefillChunk(row, n, start + n, mx.array(chunk.request.blocks.table[:used], dtype=mx.int32))
+
+    @staticmethod
+    def _state_keys(chunks: list[ScheduledChunk]) -> list[Optional[int]]:
+        """Whose recurrent state each chunk continues: its request's, or none for a request that starts."""
+        return [c.request.request_id if c.request.num_computed else None for c in chunks]
 
     def _forward_uncompiled(self, chunks, input_tokens) -> mx.array:
         return self._forward_calls(chunks, input_tokens) if self.states else self._forward_eager(chunks, input_tokens)
@@ -400,8 +407,7 @@ class ModelRunner:
                 decode_tables[row, : len(table)] = table
                 decode_lens[row] = start + 1
             else:
-                used = -(-(start + n) // self.block_size)
-                prefills.append(PrefillChunk(row, n, start + n, mx.array(table[:used], dtype=mx.int32)))
+                prefills.append(self._prefill_chunk(chunk, row))
         plan = AttentionPlan(
             block_size=self.block_size,
             positions=mx.array(positions, dtype=mx.int32),

@@ -20,6 +20,7 @@ class RecurrentStates:
         self.caches = caches
         self._entries = [(c, i) for c in caches for i, entry in enumerate(c.layout.entries) if entry is not None]
         self._journal: Optional[dict[int, list]] = None  # request id -> its state in every layer at begin()
+        self._written: list[mx.array] = []  # arrays kept since the last take_written()
 
     def __bool__(self) -> bool:
         return bool(self.caches)
@@ -29,14 +30,10 @@ class RecurrentStates:
         """How many sequences have a state kept (every layer keeps the same ones)."""
         return len(self.caches[0].held) if self.caches else 0
 
-    def arrays(self) -> list[mx.array]:
-        """The arrays that hold the kept states (each batch once)."""
-        unique = {}
-        for cache in self.caches:
-            for state in cache.held.values():
-                for entry in filter(None, state):
-                    unique[id(entry[0])] = entry[0]
-        return list(unique.values())
+    def take_written(self) -> list[mx.array]:
+        """The arrays kept as states since the last call (a step launches them with its outputs)."""
+        written, self._written = self._written, []
+        return written
 
     # -- one forward call ------------------------------------------------------------------
 
@@ -54,9 +51,7 @@ class RecurrentStates:
         except BaseException:
             self.abandon_call()
             raise
-        self._touch(request_ids)
-        for cache, states in zip(self.caches, written):
-            cache.keep(request_ids, states)
+        self._keep(request_ids, written)
 
     def gather_flat(self, keys: list[Optional[int]]) -> list[mx.array]:
         """The rows' state as one flat list of arrays (for a compiled call's inputs)."""
@@ -64,9 +59,8 @@ class RecurrentStates:
         return [gathered[id(c)][i] for c, i in self._entries]
 
     def bind_flat(self, flat: list[mx.array]) -> None:
-        parts = iter(flat)
-        for cache in self.caches:
-            cache.bind([None if entry is None else next(parts) for entry in cache.layout.entries])
+        for cache, states in zip(self.caches, self._per_cache(flat)):
+            cache.bind(states)
 
     def unbind_flat(self) -> list[mx.array]:
         written = {id(c): c.unbind() for c in self.caches}
@@ -74,10 +68,7 @@ class RecurrentStates:
 
     def keep_flat(self, request_ids: list[int], flat: list[mx.array]) -> None:
         """Make row j of a compiled call's state outputs the state of request ``request_ids[j]``."""
-        self._touch(request_ids)
-        parts = iter(flat)
-        for cache in self.caches:
-            cache.keep(request_ids, [None if entry is None else next(parts) for entry in cache.layout.entries])
+        self._keep(request_ids, self._per_cache(flat))
 
     # -- whole sequences --------------------------------------------------------------------
 
@@ -91,10 +82,19 @@ class RecurrentStates:
 
     def write(self, request_id: int, state: list[mx.array]) -> None:
         """Give a sequence the state ``read`` returned."""
-        self._touch([request_id])
-        parts = iter(state)
-        for cache in self.caches:
-            cache.keep([request_id], [None if entry is None else next(parts)[None] for entry in cache.layout.entries])
+        self._keep([request_id], self._per_cache([a[None] for a in state]))
+
+    def _per_cache(self, flat: list[mx.array]) -> list[list[Optional[mx.array]]]:
+        """A flat list (every cache's set entries, in order) per cache, None at its unset entries."""
+        parts = iter(flat)
+        return [[None if entry is None else next(parts) for entry in c.layout.entries] for c in self.caches]
+
+    def _keep(self, request_ids: list[int], states: list[list[Optional[mx.array]]]) -> None:
+        """Make ``states`` (per cache, per entry) the rows' states of ``request_ids``."""
+        self._touch(request_ids)
+        for cache, written in zip(self.caches, states):
+            cache.keep(request_ids, written)
+            self._written += [a for a in written if a is not None]
 
     def release(self, request_id: int) -> None:
         self._touch([request_id])
@@ -128,6 +128,7 @@ class RecurrentStates:
                     cache.held[request_id] = held
         self.abandon_call()
         self._journal = None
+        self._written = []
 
     def _touch(self, request_ids: list[int]) -> None:
         if self._journal is None or not self.caches:
