@@ -105,6 +105,7 @@ class RecurrentStates:
         """Forget every state (outside a transaction: this is not undone)."""
         for cache in self.caches:
             cache.held.clear()
+        self._written = []
 
     def abandon_call(self) -> None:
         """Unbind the caches from a call that failed."""
