@@ -94,7 +94,7 @@ def prompts_for(n, vocab, seed=0, low=32, high=160):
     return [[rng.randrange(vocab) for _ in range(rng.randint(low, high))] for _ in range(n)]
 
 
-def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes):
+def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes, verify_model=True):
     """A function that runs the workload on one engine (kept, as a server would) and returns tokens/s."""
     engine = Engine(
         model,
@@ -103,6 +103,7 @@ def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes):
         attention_kernel=kernel,
         enable_prefix_caching=False,
         compile_steps=compile_steps,
+        verify_model=verify_model,
     )
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
 
@@ -140,6 +141,10 @@ def main(argv=None):
     parser.add_argument("--kernels", nargs="+", default=["auto", "portable"])
     parser.add_argument("--small", action="store_true", help="a 4-layer model, for the CPU")
     parser.add_argument("--eager", action="store_true", help="also run each kernel without compiled steps")
+    parser.add_argument(
+        "--no-verify", action="store_true",
+        help="skip the model check (a random MoE model's expert choices can flip on rounding alone)",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median reported)")
     parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
     args = parser.parse_args(argv)
@@ -168,7 +173,7 @@ def main(argv=None):
         systems = {"BatchGen": lambda: batch_generator_tps(model, prompts, args.new_tokens)}
         for kernel, compile_steps in columns:
             systems[kernel + ("" if compile_steps else "/eager")] = engine_runner(
-                model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30)
+                model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30), not args.no_verify
             )
         # One warm-up run each (compiling kernels, plans and step traces for the workload's
         # shapes), then --rounds runs in alternation, so drift of a shared machine hits all alike.

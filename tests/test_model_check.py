@@ -10,6 +10,7 @@ from test_engine import random_prompts, reference
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import model_check
 from llm_paged_mlx.kernels.portable import PortableKernel
+from llm_paged_mlx.models import paged_cache
 
 
 @pytest.fixture(autouse=True)
@@ -225,3 +226,54 @@ def test_tolerances_leave_margin_both_ways(dtype, monkeypatch):
     plamo.set_dtype(dtype)
     with pytest.raises(ValueError, match="^plamo: paged attention gives different logits"):
         Engine(plamo, num_blocks=16)
+
+
+def test_a_model_whose_routing_flips_on_rounding_is_served_when_float32_attention_agrees(monkeypatch):
+    """A top-k router (to experts, say) can jump on a rounding difference alone: a gpt-oss-20B-shaped bf16
+    model does on the H200 (benchmarks/RESULTS.md). Here a row of the paged logits jumps as such a flip
+    would, only when attention rounds in bf16; with that rounding taken out the paths agree: served."""
+    paged, passes = model_check._paged, []
+
+    def flipping(runner, *args):
+        rows = paged(runner, *args)
+        passes.append(paged_cache._float32_attention)
+        if not paged_cache._float32_attention:
+            rows[1] = rows[1][::-1]
+        return rows
+
+    monkeypatch.setattr(model_check, "_paged", flipping)
+    model = tiny_model("llama")
+    model.set_dtype(mx.bfloat16)
+    engine = Engine(model, num_blocks=16)
+    assert passes == [False, True]
+    prompt = random_prompts([20], seed=5)[0]
+    assert engine.generate([prompt], SamplingParams(max_tokens=6))[0].token_ids == reference(model, prompt, 6)
+
+
+def test_attention_wrong_in_float32_too_is_refused_with_both_errors(monkeypatch):
+    monkeypatch.setattr(PortableKernel, "__call__", decode_only(1.1))
+    model = tiny_model("llama")
+    model.set_dtype(mx.bfloat16)
+    with pytest.raises(ValueError, match=r"relative error .* at the 46-token prompt's decode step 1 .*, and .* "
+                       r"at the 46-token prompt's decode step 1 \(position 46\) with attention in float32"):
+        Engine(model, num_blocks=16, attention_kernel="portable")
+
+
+def test_float32_attention_hands_the_kernel_float32_queries_and_pools(monkeypatch):
+    seen, attend = [], PortableKernel.__call__
+
+    def recording(self, queries, k_pool, v_pool, plan, scale, **kwargs):
+        seen.append((queries.dtype, k_pool.dtype, v_pool.dtype))
+        return attend(self, queries, k_pool, v_pool, plan, scale, **kwargs)
+
+    model = tiny_model("llama")
+    model.set_dtype(mx.bfloat16)
+    engine = Engine(model, num_blocks=16, attention_kernel="portable")
+    monkeypatch.setattr(PortableKernel, "__call__", recording)
+    prompt = random_prompts([20], seed=6)[0]
+    with paged_cache.float32_attention():
+        engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert seen and set(seen) == {(mx.float32,) * 3}
+    seen.clear()
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert seen and set(seen) == {(mx.bfloat16,) * 3}

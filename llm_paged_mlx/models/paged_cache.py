@@ -114,6 +114,9 @@ class PagedLayerCache:
         """The kernel's attention of ``queries`` over this layer's pool (``sinks``, ``softcap``: see
         ``kernels``)."""
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+        dtype = queries.dtype
+        if _float32_attention and self.bits is None:
+            queries, pools = queries.astype(mx.float32), [p.astype(mx.float32) for p in pools]
         if self.bits is None:
             k_pool, v_pool = pools
         else:
@@ -131,7 +134,7 @@ class PagedLayerCache:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
             mx.eval(out)
-        return self.plan.from_rows(out, queries)
+        return self.plan.from_rows(out, queries).astype(dtype)
 
     def block_rows(self, blocks: list[int]) -> mx.array:
         """The flat pool rows that hold the given blocks, block after block."""
@@ -202,12 +205,15 @@ class PagedLatentCache(PagedLayerCache):
         """``queries`` ``(T, H, 1, latent_dim)`` absorbed, ``rope_queries`` ``(T, H, 1, rope_dim)`` already
         scaled; returns ``(T, H, 1, latent_dim)``, the attention output in latent space."""
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+        dtype = queries.dtype
+        if _float32_attention and self.bits is None:
+            queries, pools = queries.astype(mx.float32), [p.astype(mx.float32) for p in pools]
         pool = pools[0] if self.bits is None else QuantizedPool(*pools, self.bits, self.group_size)
         rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
         out = self.kernel.latent_attention(rows, pool, self.latent_dim, self.plan, 1.0)
         if self.plan.prefills:
             mx.eval(out)  # as in PagedLayerCache.attend
-        return out
+        return out.astype(dtype)
 
 
 _float32_attention = False  # see float32_attention()
@@ -215,9 +221,11 @@ _float32_attention = False  # see float32_attention()
 
 @contextlib.contextmanager
 def float32_attention():
-    """Within it, mlx-lm's own attention (not the paged one) runs on float32 copies of its inputs.
+    """Within it, attention runs on float32 copies of its inputs: mlx-lm's own, and the paged kernels over
+    full-precision pools.
 
-    The model check measures with it how much rounding inside attention moves a model's logits.
+    The model check measures with it how much rounding inside attention moves a model's logits, and
+    compares the two paths with that rounding taken out.
     """
     global _float32_attention
     _float32_attention = True
