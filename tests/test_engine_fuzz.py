@@ -26,7 +26,7 @@ from faults import DeviceFault, Fault
 from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-from models import tiny_model
+from models import tiny_any, tiny_model
 from test_engine import reference
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -35,7 +35,6 @@ from llm_paged_mlx.engine import engine as engine_module
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 10  # 9 usable: two requests can fill it, so they preempt and swap
-CAPACITY = (NUM_BLOCKS - 1) * BLOCK_SIZE  # no request grows past it
 EXAMPLES = int(os.environ.get("LLM_PAGED_MLX_FUZZ_EXAMPLES", "100"))
 STAGES = (
     "policy", "disk read", "swap out", "swap in", "write blocks", "forward", "sample", "wait", "launch", "device",
@@ -43,20 +42,26 @@ STAGES = (
 )  # fmt: skip
 
 
-@functools.cache
-def model():
-    return tiny_model("llama")
+MODELS = {  # a model of full-attention layers; one whose windowed layers have a block table of their own
+    "llama": lambda: tiny_model("llama"),
+    "windowed": lambda: tiny_any("gemma3_text", sliding_window=BLOCK_SIZE + 3),
+}
 
 
 @functools.cache
-def expected(prompt: tuple, max_tokens: int) -> list[int]:
-    return reference(model(), list(prompt), max_tokens)
+def model(name: str = "llama"):
+    return MODELS[name]()
+
+
+@functools.cache
+def expected(prompt: tuple, max_tokens: int, name: str = "llama") -> list[int]:
+    return reference(model(name), list(prompt), max_tokens)
 
 
 TIE = 1e-4  # logits closer than this (relative to the largest) are a tie that rounding may break either way
 
 
-def follows_mlx_lm(prompt: tuple, tokens: list[int], want: list[int]) -> bool:
+def follows_mlx_lm(prompt: tuple, tokens: list[int], want: list[int], name: str = "llama") -> bool:
     """Whether ``tokens`` are mlx-lm's greedy tokens ``want`` (a prefix of them), or part from them only at a tie.
 
     A batch of other sizes rounds differently, so where mlx-lm's two best next tokens are
@@ -64,7 +69,7 @@ def follows_mlx_lm(prompt: tuple, tokens: list[int], want: list[int]) -> bool:
     """
     for i, (got, wanted) in enumerate(zip(tokens, want)):
         if got != wanted:
-            logits = model()(mx.array([list(prompt) + want[:i]]))[0, -1]
+            logits = model(name)(mx.array([list(prompt) + want[:i]]))[0, -1]
             is_tie = abs(logits[got] - logits[wanted]).item() <= TIE * mx.abs(logits).max().item()
             event(f"parted at a tie: {is_tie}")
             return is_tie
@@ -94,6 +99,9 @@ PROMPT_TOKENS = st.lists(st.integers(0, 7), min_size=1, max_size=40)  # few dist
 
 
 class EngineMachine(RuleBasedStateMachine):
+    MODEL = "llama"
+    NUM_BLOCKS = NUM_BLOCKS
+
     def __init__(self):
         super().__init__()
         self.faults = Faults()
@@ -117,9 +125,9 @@ class EngineMachine(RuleBasedStateMachine):
             self.directory = tempfile.TemporaryDirectory()
             disk = KVDiskCache(self.directory.name, "fuzz")
         engine = self.engine = Engine(
-            model(),
+            model(self.MODEL),
             block_size=BLOCK_SIZE,
-            num_blocks=NUM_BLOCKS,
+            num_blocks=self.NUM_BLOCKS,
             max_num_seqs=6,
             max_num_batched_tokens=max_num_batched_tokens,
             scheduler=scheduler,
@@ -129,7 +137,7 @@ class EngineMachine(RuleBasedStateMachine):
             kv_disk_cache=disk if disk_tier else None,
         )
         wrap = self.faults.wrap
-        if disk_tier:
+        if engine.disk is not None:  # (models with windowed tables have no disk tier)
             engine.scheduler.load_prefix = wrap("disk read", engine.scheduler.load_prefix)
         engine.scheduler.policy.key = wrap("policy", engine.scheduler.policy.key)
         engine.swap.swap_out = wrap("swap out", engine.swap.swap_out)
@@ -154,7 +162,8 @@ class EngineMachine(RuleBasedStateMachine):
             priority = data.draw(st.integers(0, 2), label="priority")
             self.history.append(prompt)
             rid = self.engine.add_request(list(prompt), SamplingParams(max_tokens=max_tokens, priority=priority))
-            self.prompts[rid] = (prompt, min(max_tokens, CAPACITY - len(prompt)))
+            capacity = self.engine.requests[rid].max_total_tokens  # no request grows past it
+            self.prompts[rid] = (prompt, min(max_tokens, capacity - len(prompt)))
             self.received[rid] = []
 
     @precondition(lambda self: self.engine.requests)
@@ -193,7 +202,8 @@ class EngineMachine(RuleBasedStateMachine):
     def tokens_are_mlx_lm_s(self):
         for rid, tokens in self.received.items():
             prompt, max_tokens = self.prompts[rid]
-            assert follows_mlx_lm(prompt, tokens, expected(prompt, max_tokens)), f"request {rid}: {tokens}"
+            want = expected(prompt, max_tokens, self.MODEL)
+            assert follows_mlx_lm(prompt, tokens, want, self.MODEL), f"request {rid}: {tokens}"
 
     @invariant()
     def every_block_is_accounted_for(self):
@@ -201,10 +211,10 @@ class EngineMachine(RuleBasedStateMachine):
         if engine is None:
             return
         bm = engine.blocks
-        held = Counter(b for r in engine.requests.values() for b in r.blocks.table)
+        held = Counter(b for r in engine.requests.values() for seq in r.tables for b in seq.table if b)
         free = set(bm.free_queue)
-        assert 0 not in held and 0 not in free
-        for block in range(1, NUM_BLOCKS):
+        assert 0 not in free
+        for block in range(1, self.NUM_BLOCKS):
             assert bm.blocks[block].ref_count == held[block], f"block {block}"
             assert (block in free) == (held[block] == 0), f"block {block} is both free and held, or neither"
         queued = engine.scheduler.running + engine.scheduler.waiting
@@ -224,8 +234,8 @@ class EngineMachine(RuleBasedStateMachine):
         assert not engine.has_unfinished()
         for rid, tokens in self.received.items():
             prompt, max_tokens = self.prompts[rid]
-            want = expected(prompt, max_tokens)
-            assert follows_mlx_lm(prompt, tokens, want), f"request {rid}: {tokens} against {want}"
+            want = expected(prompt, max_tokens, self.MODEL)
+            assert follows_mlx_lm(prompt, tokens, want, self.MODEL), f"request {rid}: {tokens} against {want}"
             if self.done.get(rid) != "abort":
                 assert (len(tokens), self.done.get(rid)) == (len(want), "length"), f"request {rid}"  # max_tokens, or the pool
         stats = engine.stats()
@@ -244,3 +254,17 @@ EngineMachine.TestCase.settings = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 test_engine_state_machine = pytest.mark.filterwarnings("ignore::RuntimeWarning")(EngineMachine.TestCase)
+
+
+class WindowedEngineMachine(EngineMachine):
+    """The same over a model with a window of 11 tokens beside full attention: two block tables per request, the
+    windowed one returning blocks as its window passes them, in a pool that still preempts."""
+
+    MODEL = "windowed"
+    NUM_BLOCKS = 16
+
+
+WindowedEngineMachine.TestCase.settings = settings(EngineMachine.TestCase.settings, max_examples=max(1, EXAMPLES // 3))
+test_windowed_engine_state_machine = pytest.mark.filterwarnings("ignore::RuntimeWarning")(
+    WindowedEngineMachine.TestCase
+)

@@ -179,6 +179,6 @@ def test_a_rollback_writes_back_the_protected_blocks(compile_steps):
     prompt = random_prompts([20], seed=10)[0]
     request = Request(-1, prompt, SamplingParams(), max_total_tokens=64)
     request.blocks.table = [1, 2, 3]
-    runner.forward([ScheduledChunk(request, len(prompt), list(range(16, 16 + len(prompt))))])
+    runner.forward([ScheduledChunk(request, len(prompt), [list(range(16, 16 + len(prompt)))])])
     runner.rollback()
     assert all(np.array_equal(np.array(pool), old) for pool, old in zip(runner.pools(), before))

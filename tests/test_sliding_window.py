@@ -9,6 +9,7 @@ from test_engine import random_prompts, reference, run_staggered
 from test_mla import BareKernel
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.portable import PortableKernel
@@ -38,6 +39,72 @@ def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
         assert tokens == reference(model, prompt, 40), f"prompt of {len(prompt)} tokens"
     assert engine.stats()["preemptions"] > 0
     assert engine.stats()["free_blocks"] == 63
+
+
+BOUNDED = {  # a windowed layer beside a full one; every layer windowed (of the models mlx-lm lets have none full)
+    "windowed-and-full": ("gemma3_text", dict(sliding_window=WINDOW)),
+    "all-windowed": ("step3p5", dict(sliding_window=WINDOW, layer_types=["sliding_attention"] * 2)),
+}
+
+
+@pytest.mark.parametrize("arch, overrides", list(BOUNDED.values()), ids=list(BOUNDED))
+def test_a_windowed_table_holds_its_window_s_blocks_only_as_generation_goes_on(arch, overrides):
+    """One request of 20 tokens generating 300 in 16-token blocks, a 32-token window. The windowed layers'
+    table holds at most the 3 blocks that the next query's window and its own block span, whatever the length;
+    a full layers' table grows with it. The tokens are mlx-lm's."""
+    model = tiny_any(arch, **overrides)
+    engine = Engine(model, block_size=16, num_blocks=64)
+    windows = engine.stats()["kv_groups"]
+    assert WINDOW in windows and (None in windows) == (arch == "gemma3_text")
+    prompt = random_prompts([20], seed=11)[0]
+    request_id = engine.add_request(prompt, SamplingParams(max_tokens=300))
+    request, tokens, most = engine.requests[request_id], [], [0] * len(windows)
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            tokens += chunk.token_ids
+        if request.status.value == "running":
+            held = [sum(block != 0 for block in seq.table) for seq in request.tables]
+            assert engine.stats()["used_blocks"] == sum(held)
+            most = [max(m, h) for m, h in zip(most, held)]
+    assert tokens == reference(model, prompt, 300)
+    assert most == [-(-319 // 16) if window is None else 3 for window in windows]
+    assert engine.stats()["free_blocks"] == 63
+
+
+def test_a_follow_up_turn_reuses_a_windowed_model_s_cached_prefix_exactly():
+    """The first turn's blocks stay cached after it ends, those its window passed included; the next turn
+    (its prompt, its answer and more) finds them, and its tokens are mlx-lm's."""
+    model = tiny_any("gemma3_text", sliding_window=WINDOW)
+    engine = Engine(model, block_size=16, num_blocks=64)
+    first = random_prompts([90], seed=12)[0]
+    answer = engine.generate([first], SamplingParams(max_tokens=30))[0].token_ids
+    follow_up = first + answer + random_prompts([25], seed=13)[0]
+    output = engine.generate([follow_up], SamplingParams(max_tokens=20))[0]
+    assert output.token_ids == reference(model, follow_up, 20)
+    assert output.num_cached_tokens == (len(first) + len(answer) - 1) // 16 * 16
+
+
+def test_a_shared_prompt_longer_than_the_window_is_found_in_the_prefix_cache():
+    """A second prompt sharing a 200-token prefix (the window is 32) starts from the cache. The blocks the first
+    one's windowed table returned entered the cache first, though the step that returned them was planned
+    (run ahead) before the one that filled them had ended."""
+    model = tiny_any("gemma3_text", sliding_window=WINDOW)
+    engine = Engine(model, block_size=16, num_blocks=200)
+    shared = random_prompts([200], seed=5)[0]
+    first, second = (shared + tail for tail in random_prompts([10, 12], seed=6))
+    engine.generate([first], SamplingParams(max_tokens=4))
+    output = engine.generate([second], SamplingParams(max_tokens=4))[0]
+    assert output.num_cached_tokens == 192
+    assert output.token_ids == reference(model, second, 4)
+
+
+def test_the_disk_tier_is_off_for_models_with_windowed_tables(tmp_path):
+    """It keeps one table per prompt; a windowed table has passed most of its blocks by the end."""
+    disk = KVDiskCache(tmp_path, "windowed")
+    engine = Engine(tiny_any("gemma3_text", sliding_window=WINDOW), num_blocks=64, kv_disk_cache=disk)
+    assert engine.stats()["kv_groups"] == [None, WINDOW]
+    assert engine.stats()["disk_cache"] is False and engine.stats()["prefix_caching"] is True
+    disk.close()
 
 
 def reference_logprobs(model, prompt, max_tokens):

@@ -51,11 +51,19 @@ class Block:
 
 @dataclass
 class SequenceBlocks:
-    """The blocks one sequence holds, and the chain hashes of its full blocks of tokens."""
+    """The blocks one sequence holds, and the chain hashes of its full blocks of tokens.
+
+    The table of layers with a ``window`` returns the blocks that no query to
+    come can reach (``release_passed``): their entries become the null block.
+    ``root`` is what the first block's hash follows (see ``engine.kv_groups``).
+    """
 
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # block i's chain hash, computed as far as needed
     num_cached: int = 0  # leading blocks found in, or entered into, the prefix cache
+    window: Optional[int] = None
+    root: Optional[bytes] = None
+    live_from: int = 0  # entries before it are null: blocks the window passed
 
 
 def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
@@ -126,7 +134,9 @@ class BlockManager:
         """The cached blocks of the longest cached prefix of ``token_ids``, changing nothing.
 
         At least one token is always left out, so the model produces logits
-        for the last one.
+        for the last one. A windowed sequence's list goes on past blocks
+        missing from the cache (null entries): its window may need only the
+        last ones (``usable_prefix``).
         """
         found = []
         if self.enable_prefix_caching:
@@ -136,20 +146,52 @@ class BlockManager:
                 # The hash finds a candidate; its tokens and its parent's hash must match too.
                 parent = seq.hashes[index - 1] if index else None
                 if block.block_id == NULL_BLOCK or block.token_ids != tokens or block.parent_hash != parent:
-                    break
-                found.append(block.block_id)
+                    if seq.window is None:
+                        break
+                    found.append(NULL_BLOCK)
+                else:
+                    found.append(block.block_id)
         return found
 
-    def allocate_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int]) -> int:
-        """Start ``seq`` with the blocks of ``cached_prefix``; returns their tokens."""
+    def usable_prefix(self, seq: SequenceBlocks, found: list[int], length: int) -> int:
+        """How many of the first ``length`` blocks of ``found`` (from ``cached_prefix``) the sequence can start
+        with: all there are, or for a window as many as leave the blocks the next query reaches all there."""
+        length = min(length, len(found))
+        while length and NULL_BLOCK in found[self.passed(seq, length * self.block_size) : length]:
+            length -= 1
+        return length
+
+    def passed(self, seq: SequenceBlocks, position: int) -> int:
+        """How many of the table's first blocks no query at ``position`` or later can reach."""
+        return 0 if seq.window is None else max(0, position - seq.window + 1) // self.block_size
+
+    def allocate_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int], found: Optional[list[int]] = None) -> int:
+        """Start ``seq`` with the blocks of ``cached_prefix`` (or those ``found`` of them; null where a window
+        needs none); returns their tokens."""
         if seq.table:
             raise ValueError("the sequence already holds blocks")
         self._save_sequence(seq)
-        for block_id in self.cached_prefix(seq, token_ids):
-            self._ref(block_id)
+        for block_id in self.cached_prefix(seq, token_ids) if found is None else found:
+            if block_id != NULL_BLOCK:
+                self._ref(block_id)
             seq.table.append(block_id)
         seq.num_cached = len(seq.table)
+        seq.live_from = self.passed(seq, len(seq.table) * self.block_size)
         return len(seq.table) * self.block_size
+
+    def release_passed(self, seq: SequenceBlocks, position: int) -> None:
+        """Return the windowed sequence's blocks that no query at ``position`` or later can reach; a shorter
+        table (a sequence that starts there) gets null entries up to its first live block."""
+        first = self.passed(seq, position)
+        if first <= seq.live_from:
+            return
+        self._save_sequence(seq)
+        for index in range(seq.live_from, min(first, len(seq.table))):
+            if seq.table[index] != NULL_BLOCK:
+                self._unref(seq.table[index])
+                seq.table[index] = NULL_BLOCK
+        seq.table += [NULL_BLOCK] * (first - len(seq.table))
+        seq.live_from = first
 
     def append_slots(self, seq: SequenceBlocks, start: int, count: int) -> Optional[list[int]]:
         """Blocks for positions ``[start, start + count)``, and their slots; None if blocks ran out.
@@ -191,7 +233,7 @@ class BlockManager:
         for index in range(seq.num_cached, full):
             digest, tokens = self._hash(seq, token_ids, index)
             block = self.blocks[seq.table[index]]
-            if block.hash is None and digest not in self.cached:
+            if block.block_id != NULL_BLOCK and block.hash is None and digest not in self.cached:
                 self._enter(block, digest, tokens, seq.hashes[index - 1] if index else None)
         seq.num_cached = full
 
@@ -237,8 +279,9 @@ class BlockManager:
     def fork(self, seq: SequenceBlocks) -> SequenceBlocks:
         """A new sequence sharing all of ``seq``'s blocks; a shared partial block is copied on write."""
         for block_id in seq.table:
-            self._ref(block_id)
-        return SequenceBlocks(list(seq.table), list(seq.hashes), seq.num_cached)
+            if block_id != NULL_BLOCK:
+                self._ref(block_id)
+        return SequenceBlocks(list(seq.table), list(seq.hashes), seq.num_cached, seq.window, seq.root, seq.live_from)
 
     def free(self, seq: Union[SequenceBlocks, Hashable]) -> None:
         """Return a sequence's blocks (it, or its name); the tail is evicted first, the cached prefix last."""
@@ -248,9 +291,10 @@ class BlockManager:
                 return
         self._save_sequence(seq)
         for block_id in reversed(seq.table):
-            self._unref(block_id)
+            if block_id != NULL_BLOCK:
+                self._unref(block_id)
         seq.table = []  # a new list: the journal keeps the old one
-        seq.num_cached = 0
+        seq.num_cached = seq.live_from = 0
 
     def forget_cached(self) -> None:
         """Empty the prefix cache (the K/V its blocks hold can no longer be trusted)."""
@@ -321,11 +365,13 @@ class BlockManager:
             block.restore(state)
             if block.hash is not None:
                 self.cached[block.hash] = block_id
-        for seq, table, length, last, num_cached, num_hashes in journal.sequences.values():
+        for seq, table, length, last, num_cached, num_hashes, entries, live_from in journal.sequences.values():
             del table[length:]
-            if length:
+            if entries is not None:
+                table[:] = entries
+            elif length:
                 table[-1] = last
-            seq.table, seq.num_cached = table, num_cached
+            seq.table, seq.num_cached, seq.live_from = table, num_cached, live_from
             del seq.hashes[num_hashes:]
         free = sorted((b for b in self.blocks[1:] if b.ref_count == 0), key=lambda b: b.freed_at)
         self.free_queue = OrderedDict.fromkeys(b.block_id for b in free)
@@ -339,7 +385,7 @@ class BlockManager:
         if index >= len(seq.hashes):
             self._save_sequence(seq)
         for i in range(len(seq.hashes), index + 1):
-            seq.hashes.append(chain_hash(seq.hashes[i - 1] if i else None, token_ids[i * size : (i + 1) * size]))
+            seq.hashes.append(chain_hash(seq.hashes[i - 1] if i else seq.root, token_ids[i * size : (i + 1) * size]))
         return seq.hashes[index], tuple(token_ids[index * size : (index + 1) * size])
 
     def _enter(self, block: Block, digest: bytes, tokens: tuple, parent: Optional[bytes]) -> None:
@@ -383,12 +429,14 @@ class BlockManager:
         """Journal a sequence before its first change.
 
         Within a transaction a table only grows at its end, changes its last
-        block, or is replaced by ``free``; hashes only grow.
+        block, or is replaced by ``free``; hashes only grow. A windowed table
+        also nulls entries, so its entries are kept whole.
         """
         if self._journal is not None and id(seq) not in self._journal.sequences:
             table = seq.table
+            entries = None if seq.window is None else list(table)
             state = (seq, table, len(table), table[-1] if table else None, seq.num_cached, len(seq.hashes))
-            self._journal.sequences[id(seq)] = state
+            self._journal.sequences[id(seq)] = (*state, entries, seq.live_from)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from ..models.paged_cache import LayerLayout, architecture, check_model, model_c
 from ..models.quantized_rows import fold_quantized_rows
 from ..models.softcapped import has_softcapped_attention
 from ..models.state_cache import StateLayout
+from . import kv_groups
 from .block_manager import BlockManager
 from .disk.format import device, host
 from .disk.store import KVDiskCache, KVDiskCacheWarning
@@ -22,7 +23,7 @@ from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_r
 from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob
 from .request import Request, SamplingParams, Status
-from .runner import ModelRunner, projects_sampled_rows_only
+from .runner import ModelRunner, attention_groups, projects_sampled_rows_only
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 
@@ -98,6 +99,10 @@ class Engine:
     state of). A preempted sequence's state is kept in host memory with its
     K/V, or computed again with them. Prefix caching and its disk tier are off
     for them (a state is not kept per block): ``stats()`` says so.
+
+    Models with sliding-window layers keep a block table per group of layers
+    (``engine.kv_groups``): a windowed group returns the blocks its window has
+    passed. The disk tier is off for them (it keeps one table per prompt).
     """
 
     def __init__(
@@ -134,8 +139,11 @@ class Engine:
         all_layouts = check_model(model)
         layouts = [layout for layout in all_layouts if isinstance(layout, LayerLayout)]
         state_layouts = [layout for layout in all_layouts if isinstance(layout, StateLayout)]
+        groups = attention_groups(layouts)
         if state_layouts:
             enable_prefix_caching, kv_disk_cache = False, None
+        if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
+            kv_disk_cache = None
         if any(layout.latent for layout in layouts) and not hasattr(self.kernel, "latent_attention"):
             raise ValueError(
                 f"{architecture(model)}: attention kernel {self.kernel.name!r} has no latent_attention, "
@@ -152,7 +160,9 @@ class Engine:
                 "which the model's attention needs"
             )
         fold_quantized_rows(model)
-        block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in layouts)
+        # A block holds its tokens for the layers of one group: one layer in each of the groups' places.
+        owners = {place: layout for place, layout in reversed(list(zip(groups.layer_places, layouts)))}
+        block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in owners.values())
         per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
         self.model = model
         self.tokenizer = tokenizer
@@ -178,8 +188,8 @@ class Engine:
         self.max_blocks = num_blocks
         self.state_bytes = state_bytes
         self.kv_budget_bytes = num_blocks * block_bytes + state_bytes
-        # Enough blocks for one step's tokens, each sequence's next block and the null block.
-        self._step_blocks = -(-max_num_batched_tokens // block_size) + max_num_seqs + 1
+        # Enough blocks for one step's tokens and each sequence's next block in every table, and the null block.
+        self._step_blocks = (-(-max_num_batched_tokens // block_size) + max_num_seqs) * len(groups.windows) + 1
         initial = min(self.max_blocks, max(INITIAL_POOL_BYTES // block_bytes, 2 * self._step_blocks))
         self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(
@@ -192,7 +202,9 @@ class Engine:
         load_prefix = None
         if kv_disk_cache is not None:
             load_prefix = functools.partial(kv_disk_cache.load_chain, layout=self._block_layout)
-        self.scheduler = Scheduler(self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_prefix)
+        self.scheduler = Scheduler(
+            self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_prefix, self.runner.groups
+        )
         self.max_context = getattr(model_config(model), "max_position_embeddings", None)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.requests: dict[int, Request] = {}
@@ -233,7 +245,8 @@ class Engine:
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> int:
         token_ids = self._encode(prompt)
-        capacity = (self.max_blocks - 1) * self.blocks.block_size
+        chunk = self.scheduler.max_num_batched_tokens
+        capacity = self.runner.groups.max_tokens(self.max_blocks - 1, self.blocks.block_size, chunk)
         limit = min(capacity, self.max_context or capacity)
         if len(token_ids) >= limit and limit != capacity:
             raise ValueError(f"prompt of {len(token_ids)} tokens does not fit the model's context ({limit} tokens)")
@@ -337,7 +350,8 @@ class Engine:
         blocks = self.blocks
         if blocks.num_blocks >= self.max_blocks:
             return
-        waiting = sum(self._blocks_for(r.num_tokens) for r in self.scheduler.waiting)
+        size, groups = blocks.block_size, self.runner.groups
+        waiting = sum(groups.blocks_for(r.num_tokens, size) for r in self.scheduler.waiting)
         wanted = self._step_blocks + waiting - blocks.num_free_blocks
         if wanted <= 0:
             return
@@ -400,19 +414,20 @@ class Engine:
         """Before a step writes: have the runner keep the K/V it overwrites in blocks a sequence held at its
         start, and note the cached free blocks it overwrites (an undone step takes them out of the cache)."""
         size = self.blocks.block_size
-        written = list({slot // size for chunk in plan.chunks for slot in chunk.slots})
+        written = list({slot // size for chunk in plan.chunks for slots in chunk.slots for slot in slots})
         written += [destination for _, destination in self.blocks.pending_copies]
         written += [block_id for block_id, _ in plan.disk_loads]
         for request in plan.swapped_in:
-            written += request.blocks.table[: self._blocks_for(request.num_computed)]
+            written += kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
         held, cached = self.blocks.held_before(written)
         self.runner.protect(held)
         self._overwritten_cached += cached
 
     def _prepare(self, plan: StepPlan, handles: _SwapHandles) -> None:
         """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
-        for request, old_table in plan.preempted:
-            handle = self.swap.swap_out(old_table[: self._blocks_for(request.num_computed)], self.runner)
+        for request, old_tables in plan.preempted:
+            kept = kv_groups.live_blocks(self.blocks, old_tables, request.num_computed)
+            handle = self.swap.swap_out(kept, self.runner)
             if handle is None:
                 request.num_computed = 0
             else:
@@ -423,9 +438,9 @@ class Engine:
                 self.runner.states.release(request.request_id)
         self._copy_blocks()
         for request in plan.swapped_in:
-            table = request.blocks.table[: self._blocks_for(request.num_computed)]
+            blocks = kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
             try:
-                self.swap.swap_in(request.swap_handle, table, self.runner)
+                self.swap.swap_in(request.swap_handle, blocks, self.runner)
             except Exception:
                 handles.unreadable.append(request)
                 raise
@@ -491,7 +506,8 @@ class Engine:
         """Hand a finished step's tokens to their requests (chunks to ``_ready``), cache the blocks it filled."""
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
-                self.blocks.cache_full_blocks(request.blocks, request.token_ids, request.num_computed)
+                for seq in request.tables:
+                    self.blocks.cache_full_blocks(seq, request.token_ids, request.num_computed)
         for row, (request, token) in enumerate(zip(launched.sampled, tokens)):
             if not request.finished:
                 chunk = self._append(request, token)
@@ -518,7 +534,7 @@ class Engine:
                 return False
             if request.num_tokens + 1 >= request.max_total_tokens:
                 return False
-        needed = sum(self.blocks.blocks_needed(r.blocks, r.num_computed, 1) for r in sampled)
+        needed = sum(kv_groups.blocks_needed(self.blocks, r.tables, r.num_computed, 1) for r in sampled)
         return needed <= self.blocks.num_free_blocks
 
     def _run_ahead(self, launched: _Built) -> None:
@@ -677,6 +693,8 @@ class Engine:
             "recurrent_state_bytes": self.state_bytes,  # the budget's share for max_num_seqs sequences
             "recurrent_states": self.runner.states.num_sequences,
             "prefix_caching": self.blocks.enable_prefix_caching,
+            "disk_cache": self.disk is not None,
+            "kv_groups": list(self.runner.groups.windows),  # each group's window (None: full attention)
             "running": len(self.scheduler.running),
             "max_num_seqs": self.scheduler.max_num_seqs,
             "waiting": len(self.scheduler.waiting),
@@ -688,9 +706,6 @@ class Engine:
         }
 
     # -- helpers --------------------------------------------------------------
-
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.blocks.block_size)
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

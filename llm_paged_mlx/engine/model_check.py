@@ -131,7 +131,7 @@ def _verdict(model, runner) -> Optional[str]:
     vocab = getattr(model_config(model), "vocab_size", None) or 32
     long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()
     short = rng.integers(0, vocab, short_len + DECODE_STEPS + 1).tolist()
-    need = 1 + -(-len(long) // size) + -(-len(short) // size)  # with the null block
+    need = 1 + (-(-len(long) // size) + -(-len(short) // size)) * len(runner.groups.windows)  # with the null block
     if runner.num_blocks < need or runner.kv_bits is not None:
         # Quantized K/V are checked at full precision: quantizing them is the pool's and the kernels' business
         # (their tests and the kernels' own first-use checks), not the model's, and mlx-lm's quantized cache
@@ -221,12 +221,17 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
     a = Request(-1, long[:long_len], SamplingParams(), max_total_tokens=len(long))
     b = Request(-2, short[:short_len], SamplingParams(), max_total_tokens=len(short))
     ids = iter(range(1, runner.num_blocks))  # block 0 is the null block
-    blocks = {id(r): [next(ids) for _ in range(-(-r.max_total_tokens // size))] for r in (a, b)}
+    blocks = {}  # each table's blocks, of every group; windows keep all of theirs here
+    for request in (a, b):
+        request.tables = runner.groups.new_tables()
+        for seq in request.tables:
+            blocks[id(seq)] = [next(ids) for _ in range(-(-request.max_total_tokens // size))]
 
     def chunk(request, count):
-        start = request.num_computed
-        request.blocks.table = blocks[id(request)][: -(-(start + count) // size)]
-        slots = [request.blocks.table[p // size] * size + p % size for p in range(start, start + count)]
+        start, slots = request.num_computed, []
+        for seq in request.tables:
+            seq.table = blocks[id(seq)][: -(-(start + count) // size)]
+            slots.append([seq.table[p // size] * size + p % size for p in range(start, start + count)])
         return ScheduledChunk(request, count, slots)
 
     def step(*chunks):

@@ -64,9 +64,10 @@ class Status(enum.Enum):
 class Request:
     """One prompt being served.
 
-    ``num_computed`` tokens have their K/V in the blocks of ``blocks.table``
+    ``num_computed`` tokens have their K/V in the blocks of its ``tables``
     (written, or being written by a launched step): the one count the engine
-    keeps of it.
+    keeps of it. There is a table per group of attention layers
+    (``engine.kv_groups``); most models have one.
     """
 
     request_id: int
@@ -77,7 +78,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
-    blocks: SequenceBlocks = field(default_factory=SequenceBlocks)
+    tables: list[SequenceBlocks] = field(default_factory=lambda: [SequenceBlocks()])
     status: Status = Status.WAITING
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
@@ -87,6 +88,11 @@ class Request:
     num_preemptions: int = 0
     num_bypassed: int = 0  # later-ranked requests admitted while this one waited for blocks
     stop_token_ids: frozenset = frozenset()  # EOS (unless ignored) and SamplingParams.stop_token_ids
+
+    @property
+    def blocks(self) -> SequenceBlocks:
+        """The first group's table: the only one of most models."""
+        return self.tables[0]
 
     @property
     def token_ids(self) -> list[int]:

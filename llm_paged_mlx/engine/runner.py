@@ -27,6 +27,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..models.paged_cache import LayerLayout, model_caches
 from ..models.state_cache import StateLayout, honours_lengths
+from .kv_groups import KVGroups, kv_groups
 from .scheduler import ScheduledChunk
 from .states import RecurrentStates
 
@@ -41,6 +42,13 @@ MAX_TRACED_SHAPES = 32
 def projects_sampled_rows_only(model) -> bool:
     """Whether steps put only the rows they sample through the vocabulary projection."""
     return getattr(model, "model_type", None) in _BODY_THEN_HEAD
+
+
+def attention_groups(layouts: list[LayerLayout]) -> KVGroups:
+    """The groups of the model's attention layers (``engine.kv_groups``): windowed layers apart when every
+    layer's pool has one shape."""
+    shapes = {(layout.num_kv_heads, layout.k_dim, layout.v_dim, layout.dtype, layout.latent) for layout in layouts}
+    return kv_groups([layout.window for layout in layouts], uniform=len(shapes) == 1)
 
 
 def padded_size(n: int) -> int:
@@ -69,6 +77,7 @@ class ModelRunner:
         self.state_layouts = [layout for layout in layouts if isinstance(layout, StateLayout)]
         self.block_size = block_size
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.groups = attention_groups(self.layouts)
         made = [
             layout.make_cache(num_blocks, block_size, kernel, kv_bits, kv_group_size)
             if isinstance(layout, LayerLayout)
@@ -76,6 +85,13 @@ class ModelRunner:
             for layout in layouts
         ]
         self.caches = [c for c, layout in zip(made, layouts) if isinstance(layout, LayerLayout)]
+        # The first layer in each place of a group owns that place's pool arrays; the others share them.
+        self._owners: list = []
+        for cache, place in zip(self.caches, self.groups.layer_places):
+            if place < len(self._owners):
+                cache.arrays = self._owners[place].arrays
+            else:
+                self._owners.append(cache)
         self.states = RecurrentStates([c for c, layout in zip(made, layouts) if isinstance(layout, StateLayout)])
         # Whether prefill chunks of several sequences can share a right-padded call.
         self._pads_sequences = bool(self.states) and honours_lengths(model, lambda: make_prompt_cache(model))
@@ -98,27 +114,28 @@ class ModelRunner:
         return self.caches[0].shape[0]
 
     def pools(self) -> list[mx.array]:
-        return [a for c in self.caches for a in c.arrays]
+        return [a for c in self._owners for a in c.arrays]
 
     def block_layout(self) -> list[tuple[str, tuple, mx.Dtype]]:
         """Name, shape and dtype of each array ``read_blocks`` returns for one block."""
         return [
             (name, (cache.shape[1] * self.block_size, array.shape[1]), array.dtype)
-            for layer, cache in enumerate(self.caches)
-            for name, array in zip(cache.names(layer), cache.arrays)
+            for place, cache in enumerate(self._owners)
+            for name, array in zip(cache.names(place), cache.arrays)
         ]
 
     def reset_pools(self) -> None:
         """New, zeroed pools, for when what the old ones hold is unknown."""
+        for cache in self._owners:
+            cache.arrays[:] = [mx.zeros(a.shape, a.dtype) for a in cache.arrays]
         for cache in self.caches:
-            cache.arrays = [mx.zeros(a.shape, a.dtype) for a in cache.arrays]
             cache.plan = None
         self.states.clear()
         mx.eval(self.pools())
 
     def grow(self, num_blocks: int) -> None:
         """Grow the pools to ``num_blocks`` blocks, keeping their contents; steps are traced anew."""
-        for cache in self.caches:
+        for cache in self._owners:
             cache.resize(num_blocks)
         self._compiled_rows = None
         self._traced_shapes.clear()
@@ -157,21 +174,21 @@ class ModelRunner:
 
     def _set_pools(self, pools: list[mx.array]) -> None:
         parts = iter(pools)
-        for cache in self.caches:
-            cache.arrays = [next(parts) for _ in cache.arrays]
+        for cache in self._owners:
+            cache.arrays[:] = [next(parts) for _ in cache.arrays]
 
     @property
     def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self.caches)
+        return sum(c.nbytes for c in self._owners)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for cache in self.caches:
+        for cache in self._owners:
             cache.copy_blocks(copies)
 
     def read_blocks(self, blocks: list[int]) -> list[mx.array]:
-        """The pool arrays' rows of the given blocks in every layer (lazy copies), in ``block_layout`` order."""
+        """The pool arrays' rows of the given blocks (lazy copies), in ``block_layout`` order."""
         out = []
-        for cache in self.caches:
+        for cache in self._owners:
             rows = cache.block_rows(blocks)
             out += [array[rows] for array in cache.arrays]
         return out
@@ -182,7 +199,7 @@ class ModelRunner:
 
     def _write(self, blocks: list[int], data: list[mx.array]) -> None:
         parts = iter(data)
-        for cache in self.caches:
+        for cache in self._owners:
             rows = cache.block_rows(blocks)
             for array in cache.arrays:
                 array[rows] = next(parts)
@@ -221,10 +238,11 @@ class ModelRunner:
         for cache in self.caches:
             cache.plan = None
 
-    def _body(self, inputs: mx.array, plan: AttentionPlan) -> mx.array:
-        """The model up to the vocabulary projection (split architectures) or with it."""
-        for cache in self.caches:
-            cache.plan = plan
+    def _body(self, inputs: mx.array, plans: list[AttentionPlan]) -> mx.array:
+        """The model up to the vocabulary projection (split architectures) or with it; ``plans``: one per
+        group of layers."""
+        for cache, group in zip(self.caches, self.groups.layer_groups):
+            cache.plan = plans[group]
         return (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
 
     def _as_rows(self, chunk: ScheduledChunk) -> bool:
@@ -237,34 +255,42 @@ class ModelRunner:
         return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)
 
     def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):
-        """The traced step: every row one query; takes and returns the pools and the rows' recurrent state."""
+        """The traced step: every row one query; takes and returns the pools and the rows' recurrent state.
+        ``slots`` and ``block_tables``: one per group of layers."""
         self._set_pools(pools)
-        plan = AttentionPlan(self.block_size, positions, slots, tokens.shape[0], block_tables, context_lens)
+        rows = tokens.shape[0]
+        plans = [
+            AttentionPlan(self.block_size, positions, s, rows, tables, context_lens)
+            for s, tables in zip(slots, block_tables)
+        ]
         self.states.bind_flat(states)
-        hidden = self._body(tokens[:, None], plan)
+        hidden = self._body(tokens[:, None], plans)
         return hidden, self.pools(), self.states.unbind_flat()
 
     def _forward_rows(self, chunks, input_tokens) -> mx.array:
         num_rows = sum(c.num_tokens for c in chunks)
         width = max(len(c.request.blocks.table) for c in chunks)
         rows, width = padded_size(num_rows), padded_size(width)
+        groups = len(self.groups.windows)
         # Padding rows: token 0 at position 0, written to and read from the null block.
-        tokens, positions, slots = (np.zeros(rows, dtype=np.int32) for _ in range(3))
-        block_tables = np.zeros((rows, width), dtype=np.int32)
+        tokens, positions = (np.zeros(rows, dtype=np.int32) for _ in range(2))
+        slots = np.zeros((groups, rows), dtype=np.int32)
+        block_tables = np.zeros((groups, rows, width), dtype=np.int32)
         row = 0
         for chunk in chunks:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
-            table = request.blocks.table
             if input_tokens is None:
                 tokens[row : row + n] = request.token_slice(start, start + n)
             positions[row : row + n] = np.arange(start, start + n)
-            slots[row : row + n] = chunk.slots
-            block_tables[row : row + n, : len(table)] = table
+            for group, seq in enumerate(request.tables):
+                slots[group, row : row + n] = chunk.slots[group]
+                block_tables[group, row : row + n, : len(seq.table)] = seq.table
             row += n
         padded = mx.array(tokens) if input_tokens is None else mx.pad(input_tokens, (0, rows - num_rows))
         # Each row sees its context up to and including its own position.
-        arrays = [padded] + [mx.array(a) for a in (positions, slots, block_tables, positions + 1)]
+        slot_arrays, table_arrays = [mx.array(s) for s in slots], [mx.array(t) for t in block_tables]
+        arrays = [padded, mx.array(positions), slot_arrays, table_arrays, mx.array(positions + 1)]
         pools = self.pools()
         states = self.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
         shape = (rows, width)
@@ -347,36 +373,38 @@ class ModelRunner:
         """Chunks of several tokens as the rows of a ``(B, L)`` call, right-padded; their hidden rows
         ``(T, 1, D)``, chunk after chunk."""
         length = max(c.num_tokens for c in group)
+        groups = range(len(self.groups.windows))
         tokens = np.zeros((len(group), length), dtype=np.int32)
-        positions, slots, rows, prefills, starts = [], [], [], [], []
+        positions, rows, starts = [], [], []
+        slots, prefills = [[] for _ in groups], [[] for _ in groups]
         for b, chunk in enumerate(group):
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             tokens[b, :n] = request.token_slice(start, start + n)
-            prefills.append(self._prefill_chunk(chunk, len(positions)))
+            for g in groups:
+                prefills[g].append(self._prefill_chunk(chunk, len(positions), g))
+                slots[g] += chunk.slots[g]
             positions += range(start, start + n)
-            slots += chunk.slots
             rows += range(b * length, b * length + n)
             starts.append(start)
-        plan = AttentionPlan(
-            block_size=self.block_size,
-            positions=mx.array(positions, dtype=mx.int32),
-            slots=mx.array(slots, dtype=mx.int32),
-            num_decode=0,
-            decode_block_tables=mx.zeros((0, 0), dtype=mx.int32),
-            decode_context_lens=mx.zeros((0,), dtype=mx.int32),
-            prefills=prefills,
-            sequence_starts=mx.array(starts, dtype=mx.int32),
-            sequence_rows=mx.array(rows, dtype=mx.int32),
-        )
-        hidden = self._body(mx.array(tokens), plan)
-        return hidden.reshape(-1, 1, hidden.shape[-1])[plan.sequence_rows]
+        positions, starts, rows = (mx.array(a, dtype=mx.int32) for a in (positions, starts, rows))
+        empty_tables, empty_lens = mx.zeros((0, 0), dtype=mx.int32), mx.zeros((0,), dtype=mx.int32)
+        plans = [
+            AttentionPlan(
+                self.block_size, positions, mx.array(slots[g], dtype=mx.int32), 0, empty_tables, empty_lens,
+                prefills[g], sequence_starts=starts, sequence_rows=rows,
+            )
+            for g in groups
+        ]  # fmt: skip
+        hidden = self._body(mx.array(tokens), plans)
+        return hidden.reshape(-1, 1, hidden.shape[-1])[rows]
 
-    def _prefill_chunk(self, chunk: ScheduledChunk, row: int) -> PrefillChunk:
-        """The plan's entry for a chunk of several tokens starting at ``row``."""
+    def _prefill_chunk(self, chunk: ScheduledChunk, row: int, group: int) -> PrefillChunk:
+        """The plan's entry, for one group of layers, for a chunk of several tokens starting at ``row``."""
         start, n = chunk.request.num_computed, chunk.num_tokens
         used = -(-(start + n) // self.block_size)  # blocks its last token's context spans
-        return PrefillChunk(row, n, start + n, mx.array(chunk.request.blocks.table[:used], dtype=mx.int32))
+        table = chunk.request.tables[group].table[:used]
+        return PrefillChunk(row, n, start + n, mx.array(table, dtype=mx.int32))
 
     @staticmethod
     def _state_keys(chunks: list[ScheduledChunk]) -> list[Optional[int]]:
@@ -387,35 +415,37 @@ class ModelRunner:
         return self._forward_calls(chunks, input_tokens) if self.states else self._forward_eager(chunks, input_tokens)
 
     def _forward_eager(self, chunks, input_tokens) -> mx.array:
-        tokens, positions, slots = [], [], []
+        groups = range(len(self.groups.windows))
+        tokens, positions = [], []
+        slots, prefills = [[] for _ in groups], [[] for _ in groups]
         decode = [c for c in chunks if c.num_tokens == 1]
         width = max((len(c.request.blocks.table) for c in decode), default=0)
-        decode_tables = np.zeros((len(decode), width), dtype=np.int32)
+        decode_tables = np.zeros((len(groups), len(decode), width), dtype=np.int32)
         decode_lens = np.zeros(len(decode), dtype=np.int32)
-        prefills = []
         for chunk in chunks:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             row = len(tokens)
             tokens.extend(request.token_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slots.extend(chunk.slots)
-            table = request.blocks.table
+            if n == 1 and row >= len(decode):
+                raise ValueError("single-token chunks must come first")
             if n == 1:
-                if row >= len(decode):
-                    raise ValueError("single-token chunks must come first")
-                decode_tables[row, : len(table)] = table
                 decode_lens[row] = start + 1
-            else:
-                prefills.append(self._prefill_chunk(chunk, row))
-        plan = AttentionPlan(
-            block_size=self.block_size,
-            positions=mx.array(positions, dtype=mx.int32),
-            slots=mx.array(slots, dtype=mx.int32),
-            num_decode=len(decode),
-            decode_block_tables=mx.array(decode_tables),
-            decode_context_lens=mx.array(decode_lens),
-            prefills=prefills,
-        )
+            for g in groups:
+                slots[g] += chunk.slots[g]
+                table = request.tables[g].table
+                if n == 1:
+                    decode_tables[g, row, : len(table)] = table
+                else:
+                    prefills[g].append(self._prefill_chunk(chunk, row, g))
+        positions, lens = mx.array(positions, dtype=mx.int32), mx.array(decode_lens)
+        plans = [
+            AttentionPlan(
+                self.block_size, positions, mx.array(slots[g], dtype=mx.int32), len(decode),
+                mx.array(decode_tables[g]), lens, prefills[g],
+            )
+            for g in groups
+        ]  # fmt: skip
         inputs = mx.array(tokens) if input_tokens is None else input_tokens
-        return self._body(inputs[:, None], plan)
+        return self._body(inputs[:, None], plans)

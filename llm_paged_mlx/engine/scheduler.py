@@ -23,11 +23,14 @@ optionally, ``preempts(waiting, running) -> bool``.
 step fails before it runs).
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..hookspecs import hookimpl
-from .block_manager import BlockManager
+from . import kv_groups
+from .block_manager import BlockManager, SequenceBlocks
+from .kv_groups import KVGroups
 from .request import Request, Status
 
 MAX_PREEMPTIONS = 4
@@ -73,11 +76,11 @@ def register_schedulers(register):
 
 @dataclass
 class ScheduledChunk:
-    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to."""
+    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to in each of its tables."""
 
     request: Request
     num_tokens: int
-    slots: list[int]
+    slots: list[list[int]]
 
     @property
     def completes(self) -> bool:
@@ -88,7 +91,7 @@ class ScheduledChunk:
 @dataclass
 class StepPlan:
     chunks: list[ScheduledChunk]  # single-token chunks first
-    preempted: list[tuple[Request, list[int]]] = field(default_factory=list)  # with the blocks they held
+    preempted: list[tuple[Request, list[SequenceBlocks]]] = field(default_factory=list)  # with the tables they held
     admitted: list[Request] = field(default_factory=list)
     swapped_in: list[Request] = field(default_factory=list)
     disk_loads: list[tuple[int, list]] = field(default_factory=list)  # (block id, its K/V from the disk tier)
@@ -113,6 +116,8 @@ class Scheduler:
     ``load_prefix(parent_hash, blocks_token_ids)``, if given, returns the K/V of
     the full blocks that follow a cached prefix, as far as the disk tier has
     them; it is asked only for blocks an admitted request has room for.
+    ``groups``: the model's groups of attention layers, each with a block table
+    per request (one group unless given).
     """
 
     def __init__(
@@ -122,8 +127,10 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         load_prefix: Optional[Callable] = None,
+        groups: Optional[KVGroups] = None,
     ):
         self.blocks = blocks
+        self.groups = groups
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -137,6 +144,8 @@ class Scheduler:
         self._saved: Optional[tuple] = None
 
     def add(self, request: Request) -> None:
+        if self.groups is not None:
+            request.tables = self.groups.new_tables()
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -145,12 +154,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.blocks.free(request.blocks)
+        kv_groups.free(self.blocks, request.tables)
 
     def start_over(self) -> None:
         """Every request back to waiting, its blocks freed: its K/V are computed again (or swapped back in)."""
         for request in self.running + self.waiting:
-            self.blocks.free(request.blocks)
+            kv_groups.free(self.blocks, request.tables)
             if request.swap_handle is None:
                 request.num_computed = 0
             request.status = Status.WAITING
@@ -191,13 +200,14 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_pending, budget)
-            slots = self.blocks.append_slots(request.blocks, request.num_computed, count)
+            tokens = lambda: request.token_ids  # noqa: E731 (built only if a windowed table needs them)
+            slots = kv_groups.append_slots(self.blocks, request.tables, request.num_computed, count, tokens)
             while slots is None:
                 victim = self._victim(index)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
-                slots = self.blocks.append_slots(request.blocks, request.num_computed, count)
+                slots = kv_groups.append_slots(self.blocks, request.tables, request.num_computed, count, tokens)
             if slots is not None:
                 plan.chunks.append(ScheduledChunk(request, count, slots))
                 budget -= count
@@ -216,8 +226,8 @@ class Scheduler:
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.touch(victim)
-        plan.preempted.append((victim, victim.blocks.table))
-        self.blocks.free(victim.blocks)
+        plan.preempted.append((victim, [dataclasses.replace(seq) for seq in victim.tables]))  # keep the tables
+        kv_groups.free(self.blocks, victim.tables)
         self.running.remove(victim)
         victim.status = Status.WAITING
         victim.num_preemptions += 1
@@ -243,14 +253,15 @@ class Scheduler:
 
     def _admit_one(self, request: Request, budget: int, plan: StepPlan) -> Optional[ScheduledChunk]:
         """Admit ``request`` with a chunk of at most ``budget`` tokens if its blocks fit; None if not."""
-        size, seq, tokens = self.blocks.block_size, request.blocks, request.token_ids
+        size, tables, tokens = self.blocks.block_size, request.tables, request.token_ids
         if request.swap_handle is not None:  # its kept K/V go to new blocks, then the chunk
-            start, prefix = request.num_computed, []
+            start, found = request.num_computed, [[] for _ in tables]
         else:
-            prefix = self.blocks.cached_prefix(seq, tokens)
-            start = len(prefix) * size
+            found = kv_groups.cached_prefix(self.blocks, tables, tokens)
+            start = len(found[0]) * size
         count = min(len(tokens) - start, budget)
-        needed = -(-(start + count) // size) - len(prefix)
+        needed = kv_groups.blocks_to_start(self.blocks, tables, found, start, count)
+        prefix = [b for blocks in found for b in blocks if b]
         free = self.blocks.num_free_blocks - sum(self.blocks.blocks[b].ref_count == 0 for b in prefix)
         if needed > free and not self._make_room(request, needed - free, prefix, plan):
             return None
@@ -260,10 +271,10 @@ class Scheduler:
         plan.admitted.append(request)
         request.status = Status.RUNNING
         if request.swap_handle is not None:
-            self.blocks.append_slots(seq, 0, start)
+            kv_groups.restore_slots(self.blocks, tables, start)
             plan.swapped_in.append(request)
         else:
-            hit = self.blocks.allocate_prefix(seq, tokens)
+            hit = kv_groups.allocate_prefix(self.blocks, tables, tokens, found)
             from_disk = self._load_from_disk(request, budget, plan)
             request.num_computed = start = hit + from_disk
             count = min(len(tokens) - start, budget)
@@ -272,7 +283,8 @@ class Scheduler:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
             self.disk_hit_tokens += from_disk
-        chunk = ScheduledChunk(request, count, self.blocks.append_slots(seq, start, count))
+        slots = kv_groups.append_slots(self.blocks, tables, start, count, lambda: tokens)
+        chunk = ScheduledChunk(request, count, slots)
         plan.chunks.append(chunk)
         return chunk
 
@@ -287,7 +299,8 @@ class Scheduler:
                 break
             if victim.num_preemptions < MAX_PREEMPTIONS and victim not in plan.admitted and preempts(request, victim):
                 victims.append(victim)
-                freed += sum(self.blocks.blocks[b].ref_count == 1 and b not in prefix for b in victim.blocks.table)
+                held = kv_groups.held(victim.tables)
+                freed += sum(self.blocks.blocks[b].ref_count == 1 and b not in prefix for b in held)
         if freed < short:
             return False
         for victim in victims:

@@ -76,16 +76,23 @@ class PagedLayerCache:
 
     def _make_pools(self, num_blocks, num_kv_heads, block_size, dims, dtype, kernel, kv_bits, kv_group_size):
         """Zeroed arrays for rows of each of ``dims`` values per (block, KV head, token)."""
-        self.shape = (num_blocks, num_kv_heads, block_size)
+        self._block_shape = (num_kv_heads, block_size)
         self.dtype = dtype
         self.bits, self.group_size = kv_bits, kv_group_size
         self.parts = 1 if kv_bits is None else 3  # arrays per row kind (K, V or latent)
         rows = num_blocks * num_kv_heads * block_size
         columns = [c for dim in dims for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
-        # One owner per pool array: a lingering view would make every write copy the pool.
+        # One owner per pool array: a lingering view would make every write copy the pool. (Layers of other
+        # groups may share this list: ``engine.kv_groups``.)
         self.arrays = [mx.zeros((rows, width), dtype=t) for width, t in columns]
         self.kernel = kernel
         self.plan: AttentionPlan | None = None
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(blocks, KV heads, tokens per block)."""
+        heads, size = self._block_shape
+        return self.arrays[0].shape[0] // (heads * size), heads, size
 
     def names(self, layer: int) -> list[str]:
         """Names of the pool's arrays (as block files name them): k.0, v.0; quantized also k_scales.0, ..."""
@@ -157,7 +164,6 @@ class PagedLayerCache:
             mx.eval(grown)
             self.arrays[i] = grown
             del array, grown
-        self.shape = (num_blocks, *self.shape[1:])
 
     @property
     def nbytes(self) -> int:

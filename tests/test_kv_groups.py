@@ -1,0 +1,128 @@
+"""Block tables per group of attention layers: how layers are grouped, and windowed tables that return the blocks
+their window has passed, through transactions and the prefix cache."""
+
+from llm_paged_mlx.engine import kv_groups
+from llm_paged_mlx.engine.block_manager import NULL_BLOCK, BlockManager
+from llm_paged_mlx.engine.kv_groups import kv_groups as group_layers
+
+TOKENS = lambda: list(range(1000))  # noqa: E731 (a sequence's tokens, for the blocks a table returns)
+GEMMA3_27B = [None if (i + 1) % 6 == 0 else 1024 for i in range(62)]  # 52 windowed layers, 10 global
+
+
+def test_gemma3_27b_gets_one_full_group_and_six_windowed_groups_of_ten():
+    groups = group_layers(GEMMA3_27B, uniform=True)
+    assert groups.size == 10 and groups.windows == (None,) + (1024,) * 6
+    assert [groups.layer_groups[i] for i in (5, 11, 59)] == [0, 0, 0]
+    assert groups.layer_groups[:5] == (1, 1, 1, 1, 1) and groups.layer_groups[-2:] == (6, 6)
+    # Every (group, place) pair is one layer's: no two layers of a group share a pool array.
+    assert len(set(zip(groups.layer_groups, groups.layer_places))) == 62
+    assert max(groups.layer_places) == 9
+    # At 32K tokens a sequence holds 2048 blocks of the global layers and 65 of each windowed group.
+    assert groups.blocks_for(32768, 16) == 2048 + 6 * 65
+
+
+def test_layers_of_other_shapes_or_no_window_keep_one_group():
+    assert group_layers(GEMMA3_27B, uniform=False).windows == (None,)
+    assert group_layers([None] * 4, uniform=True).windows == (None,)
+    every = group_layers([32] * 4, uniform=True)
+    assert every.windows == (32,) and every.size == 4
+
+
+def test_the_longest_sequence_leaves_room_for_the_windows_and_a_chunk():
+    groups = group_layers([32, None], uniform=True)
+    # 100 blocks: the windowed table may hold ceil((32 + 64) / 16) + 1 = 7 of them in a 64-token step.
+    assert groups.max_tokens(100, 16, 64) == 93 * 16
+    assert groups.max_tokens(10, 16, 64) == 5 * 16  # too short to fill a window: both tables hold them all
+    assert group_layers([None], uniform=True).max_tokens(100, 16, 64) == 1600
+    assert group_layers([32], uniform=True).max_tokens(100, 16, 64) > 10**9
+    assert group_layers([32], uniform=True).max_tokens(5, 16, 64) == 5 * 16
+
+
+def windowed(bm, window=32):
+    (seq,) = group_layers([window], uniform=True).new_tables()
+    return seq
+
+
+def test_a_windowed_table_returns_the_blocks_its_window_passed():
+    bm = BlockManager(32, 16)
+    seq = windowed(bm)
+    assert kv_groups.append_slots(bm, [seq], 0, 100, TOKENS) is not None  # 7 blocks
+    held = list(seq.table)
+    # The next query, at position 100, reaches back to 69: blocks 0-3 are passed.
+    kv_groups.append_slots(bm, [seq], 100, 1, TOKENS)
+    assert seq.table[:4] == [NULL_BLOCK] * 4 and seq.table[4:] == held[4:]
+    assert bm.num_free_blocks == 31 - 3
+    bm.free(seq)
+    assert bm.num_free_blocks == 31
+
+
+def test_a_rollback_brings_passed_blocks_back():
+    bm = BlockManager(32, 16)
+    seq = windowed(bm)
+    kv_groups.append_slots(bm, [seq], 0, 100, TOKENS)
+    before = (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks])
+    bm.begin()
+    kv_groups.append_slots(bm, [seq], 100, 40, TOKENS)
+    bm.rollback()
+    assert (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks]) == before
+
+
+def test_a_resumed_table_takes_blocks_for_its_window_only():
+    bm = BlockManager(32, 16)
+    seq = windowed(bm)
+    kv_groups.restore_slots(bm, [seq], 100)
+    assert seq.table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in seq.table[4:] and len(seq.table) == 7
+
+
+def start(bm, tables, tokens):
+    """Admit a sequence as the scheduler does: its cached prefix, slots for the rest, its full blocks cached."""
+    found = kv_groups.cached_prefix(bm, tables, tokens)
+    hit = kv_groups.allocate_prefix(bm, tables, tokens, found)
+    assert kv_groups.append_slots(bm, tables, hit, len(tokens) - hit, lambda: tokens) is not None
+    for seq in tables:
+        bm.cache_full_blocks(seq, tokens, len(tokens))
+    return hit
+
+
+def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
+    bm = BlockManager(64, 16)
+    groups = group_layers([32, None], uniform=True)
+    tokens = list(range(160))
+    first = groups.new_tables()
+    start(bm, first, tokens)
+    full, window = 0, 1  # full attention's group comes first
+    passed = first[window].table[:8]
+    kv_groups.append_slots(bm, first, 160, 1, TOKENS)  # the windowed table passes its first 8 blocks
+    assert first[window].table[:8] == [NULL_BLOCK] * 8
+    kv_groups.free(bm, first)
+    bm.uncache(passed)  # as if other requests had taken them
+    second = groups.new_tables()
+    assert start(bm, second, tokens + [7, 7]) == 160
+    assert second[window].table[:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in second[full].table
+
+
+def test_a_cached_prefix_shortens_when_the_window_s_blocks_are_gone():
+    bm = BlockManager(64, 16)
+    groups = group_layers([32, None], uniform=True)
+    tokens = list(range(160))
+    first = groups.new_tables()
+    start(bm, first, tokens)
+    last_windowed = first[1].table[9]  # holds positions 144-159: the window of position 160 needs it
+    kv_groups.free(bm, first)
+    bm.uncache([last_windowed])
+    second = groups.new_tables()
+    found = kv_groups.cached_prefix(bm, second, tokens + [7])
+    # 160 tokens would need windowed blocks 8 and 9; 144 needs 7 and 8, which are cached.
+    assert [len(blocks) for blocks in found] == [9, 9]
+    assert found[1][:7] == [NULL_BLOCK] * 7 and NULL_BLOCK not in found[1][7:] + found[0]
+
+
+def test_groups_hash_apart():
+    """The same tokens in two groups are other layers' K/V: a block of one never serves the other."""
+    bm = BlockManager(64, 16)
+    groups = group_layers([32, None], uniform=True)
+    tables = groups.new_tables()
+    start(bm, tables, list(range(64)))
+    assert len(bm.cached) == 8  # four blocks in each table, none shared
+    assert not set(tables[0].table) & set(tables[1].table)
+    assert kv_groups.cached_prefix(bm, tables, list(range(64)) + [1])[0] == tables[0].table
