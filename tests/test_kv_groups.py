@@ -5,7 +5,6 @@ from llm_paged_mlx.engine import kv_groups
 from llm_paged_mlx.engine.block_manager import NULL_BLOCK, BlockManager
 from llm_paged_mlx.engine.kv_groups import kv_groups as group_layers
 
-TOKENS = lambda: list(range(1000))  # noqa: E731 (a sequence's tokens, for the blocks a table returns)
 GEMMA3_27B = [None if (i + 1) % 6 == 0 else 1024 for i in range(62)]  # 52 windowed layers, 10 global
 
 
@@ -38,6 +37,11 @@ def test_the_longest_sequence_leaves_room_for_the_windows_and_a_chunk():
     assert group_layers([32], uniform=True).max_tokens(5, 16, 64) == 5 * 16
 
 
+def sequence_tokens():
+    """The tokens of the sequences of these tests, for the blocks a table returns to enter the prefix cache."""
+    return list(range(1000))
+
+
 def windowed(bm, window=32):
     (seq,) = group_layers([window], uniform=True).new_tables()
     return seq
@@ -46,10 +50,10 @@ def windowed(bm, window=32):
 def test_a_windowed_table_returns_the_blocks_its_window_passed():
     bm = BlockManager(32, 16)
     seq = windowed(bm)
-    assert kv_groups.append_slots(bm, [seq], 0, 100, TOKENS) is not None  # 7 blocks
+    assert kv_groups.append_slots(bm, [seq], 0, 100, sequence_tokens) is not None  # 7 blocks
     held = list(seq.table)
     # The next query, at position 100, reaches back to 69: blocks 0-3 are passed.
-    kv_groups.append_slots(bm, [seq], 100, 1, TOKENS)
+    kv_groups.append_slots(bm, [seq], 100, 1, sequence_tokens)
     assert seq.table[:4] == [NULL_BLOCK] * 4 and seq.table[4:] == held[4:]
     assert bm.num_free_blocks == 31 - 3
     bm.free(seq)
@@ -59,10 +63,10 @@ def test_a_windowed_table_returns_the_blocks_its_window_passed():
 def test_a_rollback_brings_passed_blocks_back():
     bm = BlockManager(32, 16)
     seq = windowed(bm)
-    kv_groups.append_slots(bm, [seq], 0, 100, TOKENS)
+    kv_groups.append_slots(bm, [seq], 0, 100, sequence_tokens)
     before = (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks])
     bm.begin()
-    kv_groups.append_slots(bm, [seq], 100, 40, TOKENS)
+    kv_groups.append_slots(bm, [seq], 100, 40, sequence_tokens)
     bm.rollback()
     assert (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks]) == before
 
@@ -92,7 +96,7 @@ def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
     start(bm, first, tokens)
     full, window = 0, 1  # full attention's group comes first
     passed = first[window].table[:8]
-    kv_groups.append_slots(bm, first, 160, 1, TOKENS)  # the windowed table passes its first 8 blocks
+    kv_groups.append_slots(bm, first, 160, 1, sequence_tokens)  # the windowed table passes its first 8 blocks
     assert first[window].table[:8] == [NULL_BLOCK] * 8
     kv_groups.free(bm, first)
     bm.uncache(passed)  # as if other requests had taken them

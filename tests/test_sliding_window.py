@@ -10,6 +10,7 @@ from test_mla import BareKernel
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine.disk.store import KVDiskCache
+from llm_paged_mlx.engine.request import Status
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.portable import PortableKernel
@@ -62,7 +63,7 @@ def test_a_windowed_table_holds_its_window_s_blocks_only_as_generation_goes_on(a
     while engine.has_unfinished():
         for chunk in engine.step():
             tokens += chunk.token_ids
-        if request.status.value == "running":
+        if request.status is Status.RUNNING:
             held = [sum(block != 0 for block in seq.table) for seq in request.tables]
             assert engine.stats()["used_blocks"] == sum(held)
             most = [max(m, h) for m, h in zip(most, held)]

@@ -24,6 +24,7 @@ step fails before it runs).
 """
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -200,7 +201,7 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             count = min(request.num_pending, budget)
-            tokens = lambda: request.token_ids  # noqa: E731 (built only if a windowed table needs them)
+            tokens = functools.partial(getattr, request, "token_ids")  # built only if a windowed table needs them
             slots = kv_groups.append_slots(self.blocks, request.tables, request.num_computed, count, tokens)
             while slots is None:
                 victim = self._victim(index)
