@@ -285,7 +285,8 @@ class ModelRunner:
             positions[row : row + n] = np.arange(start, start + n)
             for group, seq in enumerate(request.tables):
                 slots[group, row : row + n] = chunk.slots[group]
-                block_tables[group, row : row + n, : len(seq.table)] = seq.table
+                # Entries before live_from are null, as the zeros are: a windowed table copies its window's only.
+                block_tables[group, row : row + n, seq.live_from : len(seq.table)] = seq.table[seq.live_from :]
             row += n
         padded = mx.array(tokens) if input_tokens is None else mx.pad(input_tokens, (0, rows - num_rows))
         # Each row sees its context up to and including its own position.
@@ -434,9 +435,9 @@ class ModelRunner:
                 decode_lens[row] = start + 1
             for g in groups:
                 slots[g] += chunk.slots[g]
-                table = request.tables[g].table
+                seq = request.tables[g]
                 if n == 1:
-                    decode_tables[g, row, : len(table)] = table
+                    decode_tables[g, row, seq.live_from : len(seq.table)] = seq.table[seq.live_from :]
                 else:
                     prefills[g].append(self._prefill_chunk(chunk, row, g))
         positions, lens = mx.array(positions, dtype=mx.int32), mx.array(decode_lens)
