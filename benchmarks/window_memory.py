@@ -55,8 +55,8 @@ def mlx_lm_bytes(model, prompt) -> int:
     from mlx_lm.models.cache import make_prompt_cache
 
     cache = make_prompt_cache(model)
-    for _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, prompt_cache=cache):
-        pass
+    generated = sum(1 for _ in generate_step(mx.array(prompt), model, max_tokens=NEW_TOKENS, prompt_cache=cache))
+    assert generated == NEW_TOKENS
     return sum(c.nbytes for c in cache)
 
 

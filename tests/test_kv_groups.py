@@ -88,13 +88,22 @@ def start(bm, tables, tokens):
     return hit
 
 
-def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
+FULL, WINDOW = 0, 1  # the groups of a window of 32 beside full attention: full attention's comes first
+PROMPT = list(range(160))
+
+
+def first_sequence():
+    """A block manager, the groups, and the tables of a first 160-token sequence, started and cached."""
     bm = BlockManager(64, 16)
     groups = group_layers([32, None], uniform=True)
-    tokens = list(range(160))
     first = groups.new_tables()
-    start(bm, first, tokens)
-    full, window = 0, 1  # full attention's group comes first
+    start(bm, first, PROMPT)
+    return bm, groups, first
+
+
+def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
+    bm, groups, first = first_sequence()
+    tokens, full, window = PROMPT, FULL, WINDOW
     passed = first[window].table[:8]
     kv_groups.append_slots(bm, first, 160, 1, sequence_tokens)  # the windowed table passes its first 8 blocks
     assert first[window].table[:8] == [NULL_BLOCK] * 8
@@ -106,12 +115,9 @@ def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
 
 
 def test_a_cached_prefix_shortens_when_the_window_s_blocks_are_gone():
-    bm = BlockManager(64, 16)
-    groups = group_layers([32, None], uniform=True)
-    tokens = list(range(160))
-    first = groups.new_tables()
-    start(bm, first, tokens)
-    last_windowed = first[1].table[9]  # holds positions 144-159: the window of position 160 needs it
+    bm, groups, first = first_sequence()
+    tokens = PROMPT
+    last_windowed = first[WINDOW].table[9]  # holds positions 144-159: the window of position 160 needs it
     kv_groups.free(bm, first)
     bm.uncache([last_windowed])
     second = groups.new_tables()
