@@ -1,6 +1,6 @@
 """Checks and times paged decode attention on an MLX CUDA GPU (one command on the H200).
 
-    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick] [--engine] [--quantized]
+    PYTHONPATH=. python3 benchmarks/h200_kernels.py [--quick] [--engine] [--quantized] [--windowed]
 
 1. Correctness: the fused CUDA kernel against the portable kernel (float32) per dtype / head dim /
    block size / GQA ratio, with every position a row must not see set to NaN.
@@ -15,7 +15,12 @@
 5. Quantized K/V (``--quantized`` runs this section alone): the fused kernel over bf16, 8-bit
    and 4-bit pools (group 64) of the same values, 1 and 8 sequences at 8K-128K context, timed
    in alternation; "GB/s" counts the K/V bytes a call reads (packed words, scales and biases).
-6. With ``--engine``: then the end-to-end comparison of ``engine_throughput.py`` (the engine
+6. Windows, sinks and softcap (``--windowed`` runs this section alone): decode rows of the
+   gpt-oss-20B, Gemma-3-27B and Gemma-2-27B attention shapes at 8K and 32K context, 8 and 64
+   sequences: SDPA over a contiguous cache of the window's last tokens (what mlx-lm's
+   ``RotatingKVCache`` holds; the baseline), the portable kernel and the fused kernel, both over
+   block tables narrowed to the window, timed in alternation.
+7. With ``--engine``: then the end-to-end comparison of ``engine_throughput.py`` (the engine
    vs mlx-lm's BatchGenerator at 16 and 64 requests), so one command checks and times it all.
 
 The last lines printed are the result table (followed by the engine's with ``--engine``).
@@ -32,7 +37,7 @@ import engine_throughput  # this folder (a script's own directory is on sys.path
 import mlx.core as mx
 
 from llm_paged_mlx.kernels.fused import CudaKernel
-from llm_paged_mlx.kernels.plan import AttentionPlan, PrefillChunk
+from llm_paged_mlx.kernels.plan import AttentionPlan, PrefillChunk, window_tables
 from llm_paged_mlx.kernels.portable import decode_attention
 from llm_paged_mlx.kernels.quantized import QuantizedPool
 
@@ -229,12 +234,99 @@ def print_quantized(rows):
         print(f"{r['batch']:3d} {r['context']:8d}  {'  '.join(cells)}  {r['q4'] / r['bf16']:9.2f}  {errs}  {alts}")
 
 
+# name: (query heads, KV heads, head dim, window, sinks, softcap)
+WINDOWED_SHAPES = {
+    "gpt-oss-20b": (64, 8, 64, 128, True, None),
+    "gemma-3-27b": (32, 16, 128, 1024, False, None),
+    "gemma-2-27b": (32, 16, 128, 4096, False, 50.0),
+}
+
+
+def bench_windowed(shape, batch, context):
+    """One windowed shape: ms per call of SDPA over the window's last tokens, portable and fused."""
+    q_heads, kv_heads, dim, window, with_sinks, softcap = WINDOWED_SHAPES[shape]
+    mx.random.seed(0)
+    width = context // BLOCK
+    num_blocks = batch * width + 1
+    k_pool, v_pool = (mx.random.normal((num_blocks, kv_heads, BLOCK, dim)).astype(DTYPE) for _ in range(2))
+    tables = (mx.random.permutation(num_blocks - 1) + 1).reshape(batch, width).astype(mx.int32)
+    lens = mx.full((batch,), context, mx.int32)
+    queries = mx.random.normal((batch, q_heads, 1, dim)).astype(DTYPE)
+    sinks = mx.random.normal((q_heads,)).astype(DTYPE) if with_sinks else None
+    narrowed, starts = window_tables(tables, lens, window, BLOCK)
+    last = tables[:, -(-window // BLOCK) :]  # the window's blocks (context is a multiple of the block size)
+
+    def contiguous(pool):
+        blocks = pool[last]  # (B, W, H, bs, D)
+        keys = blocks.transpose(0, 2, 1, 3, 4).reshape(batch, kv_heads, -1, dim)
+        return mx.contiguous(keys[:, :, -window:])
+
+    k, v = contiguous(k_pool), contiguous(v_pool)
+    mx.eval(k_pool, v_pool, tables, lens, queries, narrowed, starts, k, v)
+    scale = dim**-0.5
+    fused, masking = CudaKernel(), {"window": window, "sinks": sinks, "softcap": softcap}
+    fns = {
+        "portable": lambda: decode_attention(queries, k_pool, v_pool, narrowed, lens, scale, window, sinks, starts,
+                                             softcap),
+        "fused": lambda: fused.decode(queries, k_pool, v_pool, narrowed, lens, scale, **masking, table_starts=starts),
+    }  # fmt: skip
+    if softcap is None:  # MLX's attention does not cap scores (mlx-lm's Gemma 2 computes them in full)
+        fns["sdpa"] = lambda: mx.fast.scaled_dot_product_attention(queries, k, v, scale=scale, sinks=sinks)
+    ref = fns["portable"]().astype(mx.float32)
+    out = fns["fused"]().astype(mx.float32)
+    error = (mx.abs(out - ref).max() / mx.abs(ref).max()).item()
+    row = {"shape": shape, "batch": batch, "context": context, "fused_err": error}
+    if "sdpa" in fns:  # the baseline computes the same attention
+        row["sdpa_err"] = (mx.abs(fns["sdpa"]().astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
+    row.update(timed_together(fns))
+    del k_pool, v_pool, k, v, ref, out
+    mx.clear_cache()
+    return row
+
+
+def windowed_section(report, quick=False):
+    print("== windows, sinks, softcap: self-check errors ==", flush=True)
+    checker = CudaKernel()
+    for shape, (q_heads, kv_heads, dim, window, sinks, softcap) in WINDOWED_SHAPES.items():
+        for one in (False, True):
+            err = checker.check_error(DTYPE, dim, BLOCK, q_heads // kv_heads, kv_heads, one, None, None, window,
+                                      sinks, softcap is not None)  # fmt: skip
+            print(f"  {shape}, one partition {one}: {err:.2e}", flush=True)
+    grid = [
+        (shape, batch, context)
+        for shape, (_, kv_heads, dim, *_) in WINDOWED_SHAPES.items()
+        for batch in (8, 64)
+        for context in (8192, 32768)
+        if batch * context * kv_heads * dim < 1 << 31  # MLX's CUDA backend fails to make larger random pools
+    ]
+    if quick:
+        grid = grid[:2]
+    rows = []
+    print("== windowed decode attention (ms per call) ==", flush=True)
+    for case in grid:
+        rows.append(bench_windowed(*case))
+        print("  ", json.dumps(rows[-1]), flush=True)
+    report["windowed"] = rows
+    return rows
+
+
+def print_windowed(rows):
+    print("\nwindowed decode, bf16, block 16, tables narrowed to the window: ms per call")
+    print("  shape          B  context    sdpa  portable    fused  fused/sdpa  fused/portable  err")
+    for r in rows:
+        sdpa = f"{r['sdpa']:7.3f}" if "sdpa" in r else "      -"
+        ratio = f"{r['fused'] / r['sdpa']:10.2f}" if "sdpa" in r else "         -"
+        print(f"  {r['shape']:12s} {r['batch']:3d} {r['context']:8d} {sdpa} {r['portable']:9.3f} {r['fused']:8.3f}"
+              f"  {ratio}  {r['fused'] / r['portable']:14.2f}  {r['fused_err']:.0e}")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
     parser.add_argument("--alt-template", help="also time the fused kernel built from this template")
     parser.add_argument("--engine", action="store_true", help="then run engine_throughput.py at 16 and 64 requests")
     parser.add_argument("--quantized", action="store_true", help="only the quantized K/V section")
+    parser.add_argument("--windowed", action="store_true", help="only the windows, sinks and softcap section")
     args = parser.parse_args()
     report = {"date": datetime.date.today().isoformat(), "mlx": mx.__version__}
     try:
@@ -248,6 +340,13 @@ def main():
             with open(os.path.join(os.environ["OUT"], "h200_kernels_quantized.json"), "w") as f:
                 json.dump(report, f, indent=1)
         print_quantized(rows)
+        return
+    if args.windowed:
+        rows = windowed_section(report, args.quick)
+        if os.environ.get("OUT"):
+            with open(os.path.join(os.environ["OUT"], "h200_kernels_windowed.json"), "w") as f:
+                json.dump(report, f, indent=1)
+        print_windowed(rows)
         return
 
     print("== correctness: fused vs portable (relative error) ==", flush=True)

@@ -70,7 +70,8 @@ def test_variants_render_one_algorithm_with_their_own_names_inputs_and_macros(di
         assert partition.header.startswith(f"#define PA_BITS {bits or 0}\n#define PA_GROUP {group or 0}\n")
         assert partition.header.endswith(dialect.header)
         pools = QUANTIZED_POOLS if bits else ["k_pool", "v_pool"]
-        assert partition.input_names == ["queries", *pools, "block_tables", "context_lens", "scale"]
+        tail = ["block_tables", "context_lens", "table_starts", "sinks", "params"]
+        assert partition.input_names == ["queries", *pools, *tail]
         assert partition.output_names == ["part_out", "part_m", "part_l"]
         if bits:
             assert f"_q{bits}g{group}_" in partition.name
@@ -129,28 +130,34 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
 
     With ONE (a single partition per row) the partition kernel writes T outputs."""
     cases = [
-        # bits, group, dtype, D, BS, REP, HPG, ONE
-        (None, None, mx.bfloat16, 128, 16, 4, 4, False),
-        (None, None, mx.float32, 64, 32, 1, 1, True),
-        (4, 64, mx.bfloat16, 128, 16, 4, 4, False),
-        (8, 32, mx.float16, 256, 32, 8, 8, True),
+        # bits, group, dtype, D, BS, REP, HPG, ONE, WINDOW, SINKS, SOFTCAP
+        (None, None, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False),
+        (None, None, mx.float32, 64, 32, 1, 1, True, 0, False, False),
+        (4, 64, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False),
+        (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False),
+        (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False),
+        (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True),
     ]
     jobs = []
-    for i, (bits, group, dtype, dim, block, rep, hpg, one) in enumerate(cases):
+    for i, (bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap) in enumerate(cases):
         kernels = kernel_sources(read_template(), CUDA, bits, group)
         ctype = CUDA_TYPES[dtype]
         params = dict.fromkeys(["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases"], ctype)
         if bits:
             params["k_pool"] = params["v_pool"] = "uint32_t"
-        params.update(block_tables="int32_t", context_lens="int32_t", scale="float", part_m="float", part_l="float")
-        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=4, ONE=one)
+        params.update(block_tables="int32_t", context_lens="int32_t", table_starts="int32_t", sinks=ctype)
+        params.update(params="float", part_m="float", part_l="float")
+        masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
+        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=4, ONE=one, **masking)
         source = (
             "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
             "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
             + kernels["partition"].header
             + cuda_source(kernels["partition"], {**params, "part_out": ctype if one else "float"}, constants)
             + cuda_source(
-                kernels["reduce"], {**params, "part_out": "float", "out": ctype}, dict(T=dtype, D=dim, PART=512)
+                kernels["reduce"],
+                {**params, "part_out": "float", "out": ctype},
+                dict(T=dtype, D=dim, PART=512, **masking),
             )
         )
         (tmp_path / f"k{i}.cu").write_text(source)
@@ -165,11 +172,13 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal")
+@pytest.mark.parametrize("window,sinks,softcap", [(None, False, False), (128, True, False), (1024, False, True)])
 @pytest.mark.parametrize("bits", [None, 8, 4])
 @pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
 @pytest.mark.parametrize("dim,block_size,rep", [(64, 16, 1), (128, 16, 4), (128, 32, 8), (256, 16, 2)])
-def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep, bits):
+def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep, bits, window, sinks, softcap):
     kernel = MetalKernel()
     with mx.stream(mx.gpu):
-        error = kernel.check_error(dtype, dim, block_size, rep, bits=bits, group_size=64)
+        masking = dict(window=window, sinks=sinks, softcap=softcap)
+        error = kernel.check_error(dtype, dim, block_size, rep, bits=bits, group_size=64, **masking)
     assert error <= {mx.float32: 1e-4 if bits else 1e-5, mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]

@@ -55,21 +55,27 @@ def make_case(rng, seq_lens, q_heads, kv_heads, dim, block_size, spare_blocks=3,
     return pools[0], pools[1], tables
 
 
-def reference(queries, k_pool, v_pool, tables, lens, scale):
-    """float64 attention of each row's query ``(R, Hq, 1, D)`` over its first ``lens[r]`` tokens."""
+def reference(queries, k_pool, v_pool, tables, lens, scale, window=None, sinks=None, softcap=None):
+    """float64 attention of each row's query ``(R, Hq, 1, D)`` over its first ``lens[r]`` tokens: the last
+    ``window`` of them if given, with ``sinks`` (a logit per query head, no value) and ``softcap``."""
     rows, q_heads, _, _ = queries.shape
     _, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
     out = np.zeros((rows, q_heads, 1, v_pool.shape[-1]))
     for r in range(rows):
         n = int(lens[r])
+        first = 0 if window is None else max(0, n - window)
         blocks = tables[r, : -(-n // block_size)]
         for h in range(q_heads):
-            k = k_pool[blocks, h // rep].reshape(-1, k_pool.shape[-1])[:n].astype(np.float64)
-            v = v_pool[blocks, h // rep].reshape(-1, v_pool.shape[-1])[:n].astype(np.float64)
+            k = k_pool[blocks, h // rep].reshape(-1, k_pool.shape[-1])[first:n].astype(np.float64)
+            v = v_pool[blocks, h // rep].reshape(-1, v_pool.shape[-1])[first:n].astype(np.float64)
             s = k @ queries[r, h, 0].astype(np.float64) * scale
-            p = np.exp(s - s.max())
-            out[r, h, 0] = p @ v / p.sum()
+            if softcap is not None:
+                s = softcap * np.tanh(s / softcap)
+            peak = s.max() if sinks is None else max(s.max(), float(sinks[h]))
+            p = np.exp(s - peak)
+            total = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - peak))
+            out[r, h, 0] = p @ v / total
     return out
 
 

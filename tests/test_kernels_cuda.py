@@ -13,6 +13,7 @@ from test_kernels import make_case, make_plan, reference, rel_error
 from llm_paged_mlx.kernels import select_kernel
 from llm_paged_mlx.kernels.dialect import read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
@@ -103,6 +104,97 @@ def test_fused_decode_of_quantized_pools_matches_reference(
     assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= QUANTIZED_LIMIT[dtype]
 
 
+WINDOW_CASES = [
+    # dtype, q_heads, kv_heads, dim, block_size, window, sinks, softcap, context lengths
+    (mx.bfloat16, 64, 8, 64, 16, 128, True, None, [1, 100, 128, 129, 700, 1300]),  # gpt-oss
+    (mx.bfloat16, 32, 16, 128, 16, 1024, False, None, [1, 1000, 1024, 1025, 1500, 3000]),  # Gemma 3
+    (mx.bfloat16, 16, 8, 256, 16, 4096, False, 50.0, [5, 4097, 4100, 5000]),  # Gemma 2
+    (mx.float32, 8, 2, 64, 32, 33, True, 2.0, [1, 33, 34, 65, 600, 1100]),
+    (mx.float16, 12, 4, 128, 16, 600, True, 1.0, [1, 599, 601, 1300, 2200]),  # GQA 3, a window over partitions
+    (mx.bfloat16, 8, 8, 64, 32, None, True, 1.0, [1, 31, 33, 1100]),  # sinks and softcap, no window
+]
+
+
+def windowed_case(rng, lens, q_heads, kv_heads, dim, block_size, window):
+    """``make_case``'s pools and tables, with what a window hides also NaN and, as in a windowed block
+    table, the null block wherever a row's window no longer reaches."""
+    k_np, v_np, tables = make_case(rng, lens, q_heads, kv_heads, dim, block_size, strict=True)
+    for row, n in enumerate(lens if window else []):
+        for position in range(max(0, n - window)):
+            block, offset = tables[row, position // block_size], position % block_size
+            k_np[block, :, offset] = v_np[block, :, offset] = np.nan
+        tables[row, : max(0, n - window) // block_size] = 0
+    return k_np, v_np, tables
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype,q_heads,kv_heads,dim,block_size,window,sinks,softcap,lens", WINDOW_CASES)
+def test_fused_decode_with_windows_sinks_and_softcap_matches_reference(
+    seed, dtype, q_heads, kv_heads, dim, block_size, window, sinks, softcap, lens
+):
+    """Over whole tables (partitions before a window are skipped) and over tables narrowed as the engine
+    narrows them."""
+    rng = np.random.default_rng(seed)
+    k_np, v_np, tables = windowed_case(rng, lens, q_heads, kv_heads, dim, block_size, window)
+    q, q_np = cast(rng.standard_normal((len(lens), q_heads, 1, dim)).astype(np.float32), dtype)
+    k_pool, k_np = cast(k_np, dtype)
+    v_pool, v_np = cast(v_np, dtype)
+    sink_logits, sinks_np = cast(rng.standard_normal(q_heads).astype(np.float32) * 3, dtype) if sinks else (None,) * 2
+    scale = dim**-0.5
+    want = reference(q_np, k_np, v_np, tables, lens, scale, window, sinks_np, softcap)
+    context_lens = mx.array(lens, mx.int32)
+    whole = (mx.array(tables), None)
+    layouts = [whole] if window is None else [whole, window_tables(mx.array(tables), context_lens, window, block_size)]
+    for table, starts in layouts:
+        out = CudaKernel(poison_outputs=True).decode(
+            q, k_pool, v_pool, table, context_lens, scale, window, sink_logits, softcap, table_starts=starts
+        )
+        assert out.dtype == dtype and out.shape == q.shape
+        assert rel_error(out, want) <= LIMIT[dtype], "narrowed" if starts is not None else "whole"
+
+
+@pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
+@pytest.mark.parametrize("window,softcap", [(40, None), (200, 30.0), (None, 2.0)])
+def test_cuda_kernel_serves_windowed_rows_through_the_plan(window, softcap, row_prefill_max_reads):
+    """Decode rows and prefill chunks with a window, sinks and softcap: as rows of the fused kernel, or
+    (long chunks) through the portable prefill; the self-check of each configuration passes."""
+    rng = np.random.default_rng(9)
+    plan, queries, k_np, v_np, row_tables, row_lens = make_plan(
+        rng, 16, 4, 128, 16, decode_lens=[1, 17, 600], prefills=[(500, 30), (0, 9), (0, 1)], strict=False
+    )
+    q, q_np = cast(queries, mx.bfloat16)
+    k_pool, k_np = cast(np.nan_to_num(k_np), mx.bfloat16)
+    v_pool, v_np = cast(np.nan_to_num(v_np), mx.bfloat16)
+    sinks, sinks_np = cast(rng.standard_normal(16).astype(np.float32), mx.bfloat16)
+    kernel = CudaKernel()
+    kernel.row_prefill_max_reads = row_prefill_max_reads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check passes
+        out = kernel(q, k_pool, v_pool, plan, 0.1, window=window, sinks=sinks, softcap=softcap)
+    want = reference(q_np, k_np, v_np, row_tables, row_lens, 0.1, window, sinks_np, softcap)
+    assert rel_error(out, want) <= LIMIT[mx.bfloat16]
+    assert all(kernel._checked.values())
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [
+        ("const int lo = WINDOW && context - WINDOW > start ? context - WINDOW - start : 0;", "const int lo = 0;"),
+        ("float total = SINKS ? PA_EXP(sink_logit - m) : 0.0f;", "float total = 0.0f;"),
+    ],
+)
+def test_a_broken_window_or_sink_fails_the_self_check_of_those_configurations_only(broken):
+    template = read_template()
+    assert broken[0] in template
+    kernel = CudaKernel(template=template.replace(*broken))
+    pool = mx.zeros((2, 8, 16, 64), mx.bfloat16)
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        assert not kernel.usable(mx.bfloat16, pool, pool, 64, window=128, sinks=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kernel.usable(mx.bfloat16, pool, pool, 64)  # no window, no sinks: the same kernel passes
+
+
 @pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_cuda_kernel_serves_quantized_pools(bits, row_prefill_max_reads):
@@ -161,7 +253,7 @@ def test_self_check_passes_for_quantized_pools(bits, group_size):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert kernel.usable(dtype, pool, pool, 32)
-        assert (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size) in kernel._checked
+        assert (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size, None, False, False) in kernel._checked
 
 
 def test_broken_quantized_source_falls_back_for_quantized_pools_only():
@@ -190,7 +282,7 @@ def test_broken_quantized_source_falls_back_for_quantized_pools_only():
 @pytest.mark.parametrize(
     "broken,message",
     [
-        (("q[h][e] *= scale[0];", "q[h][e] *= 2.0f * scale[0];"), "disagrees"),  # wrong numbers
+        (("q[h][e] *= params[0];", "q[h][e] *= 2.0f * params[0];"), "disagrees"),  # wrong numbers
         (("const int lane = pa_tid % SIMD;", "const int lane = pa_tid % SIMD"), "failed"),  # no compile
     ],
 )

@@ -13,7 +13,8 @@ from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.engine.request import Status
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.plan import window_tables
-from llm_paged_mlx.kernels.portable import PortableKernel
+from llm_paged_mlx.kernels.fused import FusedKernel
+from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
 
 WINDOW = 32
 # The window, and a layer stack of a sliding-window layer, then a full-attention one, in each model's own words.
@@ -163,16 +164,35 @@ def dense_attention(queries, keys, values, scale, window, sinks, softcap=None):
     return (probs @ v).transpose(1, 0, 2)
 
 
+class RowsOnCpu(FusedKernel):
+    """The fused kernel's routing of a plan, with its decode kernels replaced by the portable rows that
+    the self-check compares them with (the CPU has no fused kernels)."""
+
+    name = "rows-on-cpu"
+
+    def usable(self, *args) -> bool:
+        return True
+
+    def decode(self, queries, k_pool, v_pool, tables, lens, scale, window, sinks, softcap, table_starts):
+        return decode_attention(queries, k_pool, v_pool, tables, lens, scale, window, sinks, table_starts, softcap)
+
+
 @pytest.mark.parametrize("window", [None, 5, 24])
 @pytest.mark.parametrize("with_sinks", [False, True])
-@pytest.mark.parametrize("tiled", [False, True])
+@pytest.mark.parametrize("kernel", ["portable", "portable-tiled", "fused-rows", "fused-chunks"])
 @pytest.mark.parametrize("softcap", [None, 2.0])
 def test_window_sinks_and_softcap_of_decode_and_prefill_rows_match_a_dense_reference(
-    window, with_sinks, tiled, softcap, monkeypatch
+    window, with_sinks, kernel, softcap, monkeypatch
 ):
-    """Two decode rows and a 21-token prefill chunk over scattered 8-token blocks, 6 query / 2 KV heads."""
-    if tiled:  # the prefill chunk goes over its context in 16-token tiles, some wholly before a query's window
-        monkeypatch.setattr("llm_paged_mlx.kernels.portable.prefill_tile", lambda *args: 16)
+    """Two decode rows and a 21-token prefill chunk over scattered 8-token blocks, 6 query / 2 KV heads.
+
+    ``fused-*``: the fused kernel's plan routing (its decode rows over tables narrowed to the window, the
+    prefill chunk as rows or through the portable prefill)."""
+    if kernel == "portable-tiled":  # the prefill chunk goes over its context in 16-token tiles, some wholly
+        monkeypatch.setattr("llm_paged_mlx.kernels.portable.prefill_tile", lambda *args: 16)  # before a window
+    attention = PortableKernel() if kernel.startswith("portable") else RowsOnCpu()
+    if kernel == "fused-chunks":
+        attention.row_prefill_max_reads = 0
     mx.random.seed(3)
     block, kv_heads, q_heads, dim = 8, 2, 6, 16
     k_pool = mx.random.normal((20, kv_heads, block, dim))
@@ -190,7 +210,7 @@ def test_window_sinks_and_softcap_of_decode_and_prefill_rows_match_a_dense_refer
         decode_context_lens=mx.array(lengths[:2], dtype=mx.int32),
         prefills=[PrefillChunk(2, 21, 75, mx.array(tables[2], dtype=mx.int32))],
     )
-    out = PortableKernel()(queries, k_pool, v_pool, plan, 0.25, window=window, sinks=sinks, softcap=softcap)
+    out = attention(queries, k_pool, v_pool, plan, 0.25, window=window, sinks=sinks, softcap=softcap)
     for table, length, rows in zip(tables, lengths, [slice(0, 1), slice(1, 2), slice(2, 23)]):
         keys = k_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]
         values = v_pool[mx.array(table)].transpose(0, 2, 1, 3).reshape(-1, kv_heads, dim)[:length]

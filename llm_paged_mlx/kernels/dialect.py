@@ -33,6 +33,7 @@ CUDA = Dialect(
 #define PA_SHUFFLE_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 #define PA_EXP(x) expf(x)
 #define PA_MAX(a, b) fmaxf((a), (b))
+#define PA_TANH(x) tanhf(x)
 #define PA_UNROLL _Pragma("unroll")
 typedef long long pa_index_t;
 
@@ -89,6 +90,7 @@ METAL = Dialect(
 #define PA_SHUFFLE_XOR(x, m) simd_shuffle_xor((x), ushort(m))
 #define PA_EXP(x) metal::exp(x)
 #define PA_MAX(a, b) metal::max((a), (b))
+#define PA_TANH(x) metal::precise::tanh(x)
 #define PA_UNROLL _Pragma("clang loop unroll(full)")
 typedef long pa_index_t;
 

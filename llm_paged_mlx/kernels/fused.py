@@ -7,17 +7,20 @@ kernel merges a row's partitions, so a few long sequences still fill the GPU
 
 Quantized pools (``quantized.QuantizedPool``, 8 or 4 bits) are read by a
 variant of the same kernel that dequantizes each lane's values in registers.
+Sliding windows (over block tables narrowed to the blocks a window reaches),
+attention sinks and softcapped logits are template parameters of the same
+kernels.
 
 Before a configuration (device, dtype, head dim, block size, GQA ratio, bits
-and group size) is first used, the kernel runs on random inputs, with every
-K/V position a query must not see set to NaN (for quantized pools: its
-scales), and is compared with ``PortableKernel`` in float32 over the same
-values. A compile error or a mismatch warns once and that configuration stays
-on the portable kernel, so a kernel that was never run on this hardware cannot
-give wrong tokens. Shapes the kernel does not cover (head dims other than a
-power of two from 8 to 256, K and V head dims that differ, ...) also use the
-portable kernel, and so do multi-head latent attention (``latent_attention``),
-sliding windows and attention sinks.
+and group size, window, sinks, softcap) is first used, the kernel runs on
+random inputs, with every K/V position a query must not see set to NaN (for
+quantized pools: its scales), and is compared with ``PortableKernel`` in
+float32 over the same values. A compile error or a mismatch warns once and
+that configuration stays on the portable kernel, so a kernel that was never
+run on this hardware cannot give wrong tokens. Shapes the kernel does not cover
+(head dims other than a power of two from 8 to 256, K and V head dims that
+differ, ...) also use the portable kernel, and so does multi-head latent
+attention (``latent_attention``).
 """
 
 import hashlib
@@ -27,7 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .dialect import CUDA, METAL, Dialect, read_template, render
-from .plan import AttentionPlan
+from .plan import AttentionPlan, window_tables
 from .portable import PortableKernel, decode_attention, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
 
@@ -63,9 +66,10 @@ def kernel_sources(template: str, dialect: Dialect, bits: int | None = None, gro
     )
     specs = {
         "partition": (f"paged_attention_partition_{variant}{tag}",
-                      ["queries", *pools, "block_tables", "context_lens", "scale"],
+                      ["queries", *pools, "block_tables", "context_lens", "table_starts", "sinks", "params"],
                       ["part_out", "part_m", "part_l"]),
-        "reduce": (f"paged_attention_reduce_{tag}", ["part_out", "part_m", "part_l", "context_lens"], ["out"]),
+        "reduce": (f"paged_attention_reduce_{tag}",
+                   ["part_out", "part_m", "part_l", "context_lens", "table_starts", "sinks"], ["out"]),
     }  # fmt: skip
     return {
         kernel: KernelSource(name, inputs, outputs, *bodies[kernel])
@@ -91,8 +95,8 @@ class FusedKernel:
     auto_priority = 10
     compilable = True
     quantized = True  # takes quantized.QuantizedPool pools
-    windowed = True  # takes window and sinks (served by the portable kernel)
-    softcapped = True  # takes softcap (served by the portable kernel)
+    windowed = True  # takes window and sinks
+    softcapped = True  # takes softcap
     # A prefill chunk runs as single-query rows of the fused kernel while its
     # tokens x context length is at most this; larger chunks use the portable
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
@@ -116,26 +120,38 @@ class FusedKernel:
         self.portable = PortableKernel()
         self._kernels: dict[tuple, object] = {}
         self._checked: dict[tuple, bool] = {}
-        self._scales: dict[float, mx.array] = {}
+        self._param_arrays: dict[tuple, mx.array] = {}
+        self._unused = mx.zeros((1,), mx.int32)  # stands in for table_starts and sinks where they are off
 
     def __call__(
         self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None, softcap=None
     ):
-        if window is not None or sinks is not None or softcap is not None:  # the template has none of them yet
-            return self.portable(queries, k_pool, v_pool, plan, scale, window, sinks, softcap)
-        if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1]):
-            return self.portable(queries, k_pool, v_pool, plan, scale)
+        masking = {"window": window, "sinks": sinks, "softcap": softcap}
+        if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1], window, sinks is not None, softcap):
+            return self.portable(queries, k_pool, v_pool, plan, scale, **masking)
+
+        def rows(tables, lens, narrowed=None):
+            """Single-query rows, their tables narrowed to the blocks a window reaches."""
+            if window is not None:
+                tables, starts = narrowed or window_tables(tables, lens, window, plan.block_size)
+            else:
+                starts = None
+            q = queries[: lens.shape[0]]
+            return self.decode(q, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts)
+
+        def decode_rows():
+            narrowed = plan.window_tables(window) if window is not None else None  # shared by the step's layers
+            return rows(plan.decode_block_tables, plan.decode_context_lens, narrowed)
+
         if not plan.prefills:
-            return self.decode(queries, k_pool, v_pool, plan.decode_block_tables, plan.decode_context_lens, scale)
+            return decode_rows()
         if all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
-            return self.decode(queries, k_pool, v_pool, *plan.row_tables(), scale)
-        parts = []
-        if plan.num_decode:
-            q = queries[: plan.num_decode]
-            parts.append(self.decode(q, k_pool, v_pool, plan.decode_block_tables, plan.decode_context_lens, scale))
+            return rows(*plan.row_tables())
+        parts = [decode_rows()] if plan.num_decode else []
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
-            parts.append(prefill_attention(q, k_pool, v_pool, chunk.block_table, chunk.context_len, scale))
+            table, length = chunk.block_table, chunk.context_len
+            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
@@ -168,18 +184,38 @@ class FusedKernel:
             and (bits is None or (bits in KV_BITS and group_size % VEC == 0 and dim % group_size == 0))
         )
 
-    def usable(self, dtype, k_pool, v_pool, q_heads: int) -> bool:
-        """Supported, and passed its self-check on this device."""
+    def usable(
+        self, dtype, k_pool, v_pool, q_heads: int, window=None, sinks: bool = False, softcap=None
+    ) -> bool:
+        """Supported, and passed its self-check on this device, for this ``window`` (or none), with or
+        without ``sinks`` and a ``softcap``."""
         if not self.supports(dtype, k_pool, v_pool, q_heads):
             return False
         _, kv_heads, block_size, dim = k_pool.shape
-        key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads, *quantization(k_pool, v_pool))
+        layout = quantization(k_pool, v_pool)
+        features = (window, sinks, softcap is not None)
+        key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads, *layout, *features)
         if key not in self._checked:
             self._checked[key] = self._self_check(*key[1:])
         return self._checked[key]
 
-    def decode(self, queries, k_pool, v_pool, block_tables, context_lens, scale: float) -> mx.array:
-        """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables."""
+    def decode(
+        self,
+        queries,
+        k_pool,
+        v_pool,
+        block_tables,
+        context_lens,
+        scale: float,
+        window=None,
+        sinks=None,
+        softcap=None,
+        table_starts=None,
+    ) -> mx.array:
+        """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables, each
+        query over its last ``window`` tokens if given, with ``sinks`` and ``softcap`` as ``__call__``
+        takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
+        (``plan.window_tables``; only with a window)."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
         dtype = k_pool.dtype
@@ -197,8 +233,20 @@ class FusedKernel:
             pools = [k_pool, v_pool]
         lens = context_lens.astype(mx.int32)
         one = parts == 1  # the partition kernel writes the output itself
+        if window is None:
+            starts = self._unused
+        elif table_starts is None:  # tables from each sequence's first block
+            starts = mx.zeros((rows,), mx.int32)
+        else:
+            starts = table_starts.astype(mx.int32)
+        masking = [
+            ("WINDOW", window or 0),
+            ("SINKS", sinks is not None),
+            ("SOFTCAP", softcap is not None),
+        ]
+        sinks = self._unused if sinks is None else sinks
         part_out, part_m, part_l = partition(
-            inputs=[queries, *pools, block_tables.astype(mx.int32), lens, self._scale(scale)],
+            inputs=[queries, *pools, block_tables.astype(mx.int32), lens, starts, sinks, self._params(scale, softcap)],
             template=[
                 ("T", dtype),
                 ("D", dim),
@@ -208,6 +256,7 @@ class FusedKernel:
                 ("PART", part),
                 ("NW", self.warps),
                 ("ONE", one),
+                *masking,
             ],
             grid=(parts * threads, kv_heads * groups, rows),
             threadgroup=(threads, 1, 1),
@@ -218,8 +267,8 @@ class FusedKernel:
         if one:
             return part_out
         (out,) = reduce(
-            inputs=[part_out, part_m, part_l, lens],
-            template=[("T", dtype), ("D", dim), ("PART", part)],
+            inputs=[part_out, part_m, part_l, lens, starts, sinks],
+            template=[("T", dtype), ("D", dim), ("PART", part), *masking],
             grid=(dim, q_heads, rows),
             threadgroup=(dim, 1, 1),
             output_shapes=[(rows, q_heads, 1, dim)],
@@ -228,12 +277,13 @@ class FusedKernel:
         )
         return out
 
-    def _scale(self, scale: float) -> mx.array:
-        """The scale as a device array, made once per value (a new one each call costs a copy)."""
-        if scale not in self._scales:
-            self._scales[scale] = mx.array([scale], mx.float32)
-            mx.eval(self._scales[scale])
-        return self._scales[scale]
+    def _params(self, scale: float, softcap=None) -> mx.array:
+        """``(scale, softcap)`` as a device array, made once per pair (a new one each call costs a copy)."""
+        key = (scale, softcap)
+        if key not in self._param_arrays:
+            self._param_arrays[key] = mx.array([scale, softcap or 0.0], mx.float32)
+            mx.eval(self._param_arrays[key])
+        return self._param_arrays[key]
 
     def _compiled(self, bits=None, group_size=None):
         """The (partition, reduce) kernels of a variant, made at first use."""
@@ -253,13 +303,20 @@ class FusedKernel:
             )
         return self._kernels[key]
 
-    def _self_check(self, dtype, dim: int, block_size: int, rep: int, bits=None, group_size=None) -> bool:
+    def _self_check(
+        self, dtype, dim: int, block_size: int, rep: int, bits=None, group_size=None, window=None, sinks=False,
+        softcap=False,
+    ) -> bool:  # fmt: skip
         config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
         if bits:
             config += f", kv_bits={bits}, group_size={group_size}"
+        features = {"window": window, "sinks": sinks, "softcap": softcap}
+        config += "".join(f", {name}={value}" for name, value in features.items() if value)
         try:
             error = max(
-                self.check_error(dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size)
+                self.check_error(
+                    dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size, **features
+                )
                 for one in (False, True)
             )
         except Exception as exc:  # a compile or launch error: any failure means "don't use it"
@@ -289,6 +346,9 @@ class FusedKernel:
         one_partition=False,
         bits: int | None = None,
         group_size: int | None = 64,
+        window: int | None = None,
+        sinks: bool = False,
+        softcap: bool = False,
     ) -> float:
         """Relative error of ``decode`` against the portable kernel (float32) on random inputs.
 
@@ -297,23 +357,36 @@ class FusedKernel:
         without its reduce pass); every position a row must not see holds NaN in
         the fused kernel's pools. With ``bits``, the pools are random values
         quantized in groups of ``group_size`` (hidden positions: NaN scales), and
-        the reference reads them dequantized.
+        the reference reads them dequantized. With a ``window``, a row reaches
+        past it, the blocks wholly before a window are the null block, and the
+        kernel runs over whole tables and over tables narrowed as the engine
+        narrows them (the larger error counts); ``sinks`` adds random sink
+        logits and ``softcap`` caps logits at 1.5, where tanh bends.
         """
         lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
+        if window is not None:
+            lens.append(window + self.partition_size + block_size + 5)
         rows, width = len(lens), -(-max(lens) // block_size)
         num_blocks = rows * width + 1
         key = mx.random.key(0)
-        kq, kk, kv, kp = mx.random.split(key, 4)
+        kq, kk, kv, kp, ks = mx.random.split(key, 5)
         queries = mx.random.normal((rows, kv_heads * rep, 1, dim), key=kq).astype(dtype)
         k_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kk).astype(dtype)
         v_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kv).astype(dtype)
         tables = (mx.random.permutation(num_blocks - 1, key=kp) + 1).reshape(rows, width).astype(mx.int32)
         context_lens = mx.array(lens, mx.int32)
         positions = mx.arange(width * block_size).reshape(1, width, block_size)
-        seen = (positions < context_lens[:, None, None]).reshape(rows * width, 1, block_size, 1)
+        seen = positions < context_lens[:, None, None]
+        if window is not None:
+            seen = seen & (positions >= context_lens[:, None, None] - window)
+            # What a windowed table holds: the null block where the window no longer reaches
+            tables = mx.where(seen.any(axis=2), tables, 0)
         visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
-        visible[tables.reshape(-1)] = seen
+        visible[tables.reshape(-1)] = seen.reshape(rows * width, 1, block_size, 1)
+        visible[0] = False
         scale = dim**-0.5
+        sink_logits = mx.random.normal((kv_heads * rep,), key=ks).astype(dtype) if sinks else None
+        cap = 1.5 if softcap else None
         if bits:
             k_pool, v_pool = (
                 QuantizedPool(*mx.quantize(x, group_size, bits), bits, group_size) for x in (k_pool, v_pool)
@@ -326,10 +399,19 @@ class FusedKernel:
         else:
             poisoned = [mx.where(visible, p, mx.nan) for p in (k_pool, v_pool)]
             k_ref, v_ref = k_pool.astype(mx.float32), v_pool.astype(mx.float32)
-        out = self.decode(queries, *poisoned, tables, context_lens, scale)
-        ref = decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale)
-        error = mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()
-        return error.item()
+        ref_sinks = None if sink_logits is None else sink_logits.astype(mx.float32)
+        ref = decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale, window, ref_sinks,
+                               softcap=cap)  # fmt: skip
+        # Whole tables, and tables narrowed to the window as the engine narrows them
+        layouts = [(tables, None)]
+        if window is not None:
+            layouts.append(window_tables(tables, context_lens, window, block_size))
+        masking = {"window": window, "sinks": sink_logits, "softcap": cap}
+        errors = []
+        for table, starts in layouts:
+            out = self.decode(queries, *poisoned, table, context_lens, scale, **masking, table_starts=starts)
+            errors.append(mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max())
+        return max(e.item() for e in errors)
 
 
 class CudaKernel(FusedKernel):
