@@ -20,6 +20,7 @@ from test_engine import collect, random_prompts
 from llm_paged_mlx import Engine, SamplingParams, plugins
 from llm_paged_mlx.engine import swap
 from llm_paged_mlx.engine.disk.format import host
+from llm_paged_mlx.engine.kv_groups import kv_groups
 from llm_paged_mlx.engine.swap import AutoSwapPolicy, CPUSwapPolicy, DiskSwapPolicy, SwapFile, SwapWarning
 
 LENGTHS = [40, 300, 120, 7, 64, 200]
@@ -284,7 +285,8 @@ class FakeRunner:
 
     block_size = 16
 
-    def __init__(self, num_blocks=8):
+    def __init__(self, num_blocks=8, windows=(None,)):
+        self.groups = kv_groups(windows, uniform=True)  # the block tables of the model's layers
         rng = np.random.default_rng(0)
         raw = [rng.integers(0, 2**32, (num_blocks, 4, 8), dtype=np.uint32) for _ in range(4)]
         self.pools = [
@@ -391,20 +393,23 @@ def test_the_exit_hook_removes_the_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "blocks,unified,available,tier",
+    "blocks,unified,available,tier,windows",
     [
-        (32, False, 1 << 40, "recompute"),  # 512 tokens
-        (32, True, 1 << 40, "recompute"),
-        (33, False, 1 << 40, "cpu"),
-        (33, False, 1 << 10, "disk"),  # the host has no room
-        (33, False, None, "disk"),  # nor any it knows of
-        (33, True, 1 << 40, "disk"),  # unified memory: host memory is the GPU's
+        (32, False, 1 << 40, "recompute", (None,)),  # 512 tokens
+        (32, True, 1 << 40, "recompute", (None,)),
+        (33, False, 1 << 40, "cpu", (None,)),
+        (33, False, 1 << 10, "disk", (None,)),  # the host has no room
+        (33, False, None, "disk", (None,)),  # nor any it knows of
+        (33, True, 1 << 40, "disk", (None,)),  # unified memory: host memory is the GPU's
+        # A full table and two with a 64-token window: 512 tokens hold 32 + 5 + 5 blocks
+        (42, False, 1 << 40, "recompute", (None, 64, 64)),
+        (43, False, 1 << 40, "cpu", (None, 64, 64)),
     ],
 )
-def test_auto_picks_a_tier_by_length_and_memory(blocks, unified, available, tier, monkeypatch):
+def test_auto_picks_a_tier_by_length_and_memory(blocks, unified, available, tier, windows, monkeypatch):
     monkeypatch.setattr(swap, "unified_memory", lambda: unified)
     monkeypatch.setattr(swap, "available_ram", lambda: available)
-    runner = FakeRunner(num_blocks=40)
+    runner = FakeRunner(num_blocks=50, windows=windows)
     policy = AutoSwapPolicy()
     assert policy.choose(list(range(blocks)), runner) == tier
     handle = policy.swap_out(list(range(blocks)), runner)

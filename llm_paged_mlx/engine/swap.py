@@ -259,7 +259,9 @@ class AutoSwapPolicy:
     def choose(self, blocks, runner) -> str:
         if self.tier is not None:
             return self.tier
-        if len(blocks) * runner.block_size <= self.recompute_tokens:
+        # A sequence of recompute_tokens tokens holds this many blocks over its tables (a windowed one, its
+        # window's only).
+        if len(blocks) <= runner.groups.blocks_for(self.recompute_tokens, runner.block_size):
             return "recompute"
         if unified_memory():
             return "disk"
