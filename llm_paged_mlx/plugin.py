@@ -10,7 +10,7 @@ import time
 from typing import Callable
 
 import llm
-from llm.parts import TextPart
+from llm.parts import TextPart, ToolCallPart, ToolResultPart
 
 from . import chat
 from .catalog import builtin_models, registered_models
@@ -18,6 +18,7 @@ from .engine.loop import Submission
 from .engines import ModelLoadError, engine_loop
 from .errors import one_line
 from .options import PagedOptions, engine_options, sampling_params
+from .tool_calls import ToolCallReader
 
 
 @llm.hookimpl
@@ -45,12 +46,35 @@ def _pair(model_id, source, fetch):
 
 
 def chat_messages(prompt: llm.Prompt) -> list[dict]:
-    """The whole chain llm hands over (system, earlier turns, this turn) as chat messages."""
+    """The whole chain llm hands over (system, earlier turns, this turn) as chat messages, in the form chat
+    templates take: an assistant turn's tool calls in ``tool_calls``, each tool result a ``"tool"`` message."""
     messages = []
     for message in prompt.messages:
         text = "".join(part.text for part in message.parts if isinstance(part, TextPart))
-        messages.append({"role": message.role, "content": text})
+        calls = [part for part in message.parts if isinstance(part, ToolCallPart)]
+        results = [part for part in message.parts if isinstance(part, ToolResultPart)]
+        for result in results:
+            output = result.output if result.exception is None else f"Error: {result.exception}"
+            messages.append({"role": "tool", "content": output, "name": result.name, "tool_call_id": result.tool_call_id})
+        if text or calls or not results:
+            messages.append({"role": message.role, "content": text})
+        if calls:
+            messages[-1]["tool_calls"] = [
+                {"id": c.tool_call_id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                for c in calls
+            ]
     return messages
+
+
+def tool_specs(prompt: llm.Prompt) -> list[dict]:
+    """The prompt's tools as the function specs chat templates take."""
+    return [
+        {
+            "type": "function",
+            "function": {"name": t.name, "description": t.description or "", "parameters": t.input_schema},
+        }
+        for t in prompt.tools
+    ]
 
 
 class _Report:
@@ -90,6 +114,7 @@ class _Report:
 
 class _PagedBase:
     can_stream = True
+    supports_tools = True
 
     class Options(PagedOptions, llm.Options):
         """This plugin's options on llm's base."""
@@ -104,34 +129,59 @@ class _PagedBase:
             params = sampling_params(prompt.options)
         except ValueError as e:
             raise llm.ModelError(one_line(e)) from None
-        messages = chat_messages(prompt)
+        messages, tools = chat_messages(prompt), tool_specs(prompt)
         loop = engine_loop(self.model_id, self.source, self.fetch)
-        return loop.submit(lambda tokenizer: chat.render_prompt(tokenizer, messages), params, engine_options(prompt.options))
+        render = lambda tokenizer: chat.render_prompt(tokenizer, messages, tools)  # noqa: E731
+        return loop.submit(render, params, engine_options(prompt.options))
+
+
+class _Answer:
+    """A response's text and tool calls from its chunks (calls only with tools: otherwise all is text)."""
+
+    def __init__(self, submission: Submission, prompt):
+        self.submission = submission
+        self.tools = tool_specs(prompt)
+        self.reader = None
+
+    def text(self, chunk) -> str:
+        """The text of a chunk that the user sees."""
+        if not self.tools:
+            return chunk.text or ""
+        if self.reader is None:  # the tokenizer is known once the request is admitted, before its first chunk
+            self.reader = ToolCallReader(self.submission.tokenizer, self.tools)
+        text = self.reader.feed(chunk.text or "")
+        return text + self.reader.finish() if chunk.finish_reason else text
+
+    def record_calls(self, response) -> None:
+        for call in self.reader.calls if self.reader else []:
+            response.add_tool_call(llm.ToolCall(name=call.name, arguments=call.arguments, tool_call_id=call.id))
 
 
 class PagedModel(_PagedBase, llm.Model):
     def execute(self, prompt, stream, response, conversation):
         submission = self._submit(prompt)
-        report = _Report(submission)
+        report, answer = _Report(submission), _Answer(submission, prompt)
         try:
             for chunk in submission:
                 report.add(chunk)
-                if chunk.text:
-                    yield chunk.text
+                if text := answer.text(chunk):
+                    yield text
         except (ModelLoadError, ValueError) as e:  # ValueError: a prompt too long for the context or the pool
             raise llm.ModelError(one_line(e)) from None
+        answer.record_calls(response)
         report.record(response)
 
 
 class AsyncPagedModel(_PagedBase, llm.AsyncModel):
     async def execute(self, prompt, stream, response, conversation):
         submission = self._submit(prompt)
-        report = _Report(submission)
+        report, answer = _Report(submission), _Answer(submission, prompt)
         try:
             async for chunk in submission:
                 report.add(chunk)
-                if chunk.text:
-                    yield chunk.text
+                if text := answer.text(chunk):
+                    yield text
         except (ModelLoadError, ValueError) as e:  # ValueError: a prompt too long for the context or the pool
             raise llm.ModelError(one_line(e)) from None
+        answer.record_calls(response)
         report.record(response)

@@ -86,8 +86,8 @@ def seen_prompts(monkeypatch):
     seen = []
     render = chat.render_prompt
 
-    def spy(tokenizer, messages):
-        token_ids = render(tokenizer, messages)
+    def spy(tokenizer, messages, tools=None):
+        token_ids = render(tokenizer, messages, tools)
         seen.append(tokenizer.decode(token_ids))
         return token_ids
 

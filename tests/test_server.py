@@ -340,6 +340,12 @@ def test_null_is_the_default_for_optional_fields(server):
     assert response.json()["usage"]["completion_tokens"] == 2 and response.json()["choices"][0]["logprobs"] is None
 
 
+def test_tools_for_a_model_without_a_tool_call_format_are_400(client):
+    tool = {"type": "function", "function": {"name": "llm_time", "parameters": {}}}
+    with pytest.raises(openai.BadRequestError, match="cannot call tools"):
+        client.chat.completions.create(model=MODEL, messages=chat(FRANCE), tools=[tool])
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=chat("hi"))

@@ -244,7 +244,9 @@ class FusedKernel:
             ("SINKS", sinks is not None),
             ("SOFTCAP", softcap is not None),
         ]
-        sinks = self._unused if sinks is None else sinks
+        # float32 whatever the model's dtype: MLX's CUDA backend keys compiled kernels by name and template
+        # values, not by the dtypes of inputs that are not a template value
+        sinks = self._unused if sinks is None else sinks.astype(mx.float32)
         part_out, part_m, part_l = partition(
             inputs=[queries, *pools, block_tables.astype(mx.int32), lens, starts, sinks, self._params(scale, softcap)],
             template=[
@@ -357,14 +359,15 @@ class FusedKernel:
         without its reduce pass); every position a row must not see holds NaN in
         the fused kernel's pools. With ``bits``, the pools are random values
         quantized in groups of ``group_size`` (hidden positions: NaN scales), and
-        the reference reads them dequantized. With a ``window``, a row reaches
-        past it, the blocks wholly before a window are the null block, and the
-        kernel runs over whole tables and over tables narrowed as the engine
-        narrows them (the larger error counts); ``sinks`` adds random sink
-        logits and ``softcap`` caps logits at 1.5, where tanh bends.
+        the reference reads them dequantized. With a ``window``, the blocks
+        wholly before a row's window are the null block, and the kernel runs
+        over whole tables and over tables narrowed as the engine narrows them
+        (the larger error counts); without ``one_partition`` a row reaches a
+        partition past the window. ``sinks`` adds random sink logits (in the
+        queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends.
         """
         lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
-        if window is not None:
+        if window is not None and not one_partition:  # narrowed, this row fits one partition for small windows
             lens.append(window + self.partition_size + block_size + 5)
         rows, width = len(lens), -(-max(lens) // block_size)
         num_blocks = rows * width + 1

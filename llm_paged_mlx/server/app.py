@@ -27,6 +27,7 @@ from ..engine.loop import EngineLoop, LoopStopped, QueueFull
 from ..engine.output import StreamChunk, TokenLogprob
 from ..engine.request import SamplingParams
 from ..errors import one_line
+from ..tool_calls import ToolCallReader
 from .limits import BodySizeLimit
 from .metrics import ServerMetrics
 from .schemas import (
@@ -135,14 +136,17 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
               responses={**_ERRORS, 200: _STREAM})
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         check_model(body.model)
-        messages = [{"role": m.role, "content": _text(m.text(), f"messages.{i}.content")}
-                    for i, m in enumerate(body.messages)]
+        messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        if body.tool_choice not in (None, "none", "auto"):
+            raise APIError(400, "tool_choice: only 'auto' and 'none' are supported (the model chooses whether to "
+                           "call a tool; it cannot be made to)", param="tool_choice")
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         top = body.top_logprobs if body.top_logprobs is not None else 0
         params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
-        run = await start(lambda tokenizer: render_prompt(tokenizer, messages), params, request)
-        return await respond(run, body, request, "chat.completion", "chatcmpl")
+        run = await start(lambda tokenizer: render_prompt(tokenizer, messages, tools), params, request)
+        return await respond(run, body, request, "chat.completion", "chatcmpl", tools)
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)], response_model=Completion,
               responses={**_ERRORS, 200: _STREAM})
@@ -193,10 +197,11 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         except Exception as e:
             raise _request_error(e) from None
 
-    async def respond(run: "_Run", body: SamplingFields, request: Request, kind: str, prefix: str):
+    async def respond(run: "_Run", body: SamplingFields, request: Request, kind: str, prefix: str, tools=()):
         submission = run.submission
+        calls = ToolCallReader(submission.tokenizer, tools) if tools else None
         shape = _Shape(kind, f"{prefix}-{uuid.uuid4().hex}", body.model, created=int(time.time()),
-                       tokenizer=submission.tokenizer, logprobs=submission.params.logprobs is not None)
+                       tokenizer=submission.tokenizer, logprobs=submission.params.logprobs is not None, calls=calls)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(stream(run, shape, include_usage), media_type="text/event-stream")
@@ -264,6 +269,28 @@ _UNION_FORMS = {
     "stop": "a string or a list of up to 4 non-empty strings",
     "content": "a string or a list of text parts",
 }
+
+
+def _chat_message(message, index: int) -> dict:
+    """A request's chat message as chat templates take it (a tool call's arguments as a dict)."""
+    out = {"role": message.role, "content": _text(message.text(), f"messages.{index}.content")}
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.role == "tool" and message.name is not None:
+        out["name"] = message.name
+    if message.tool_calls:
+        out["tool_calls"] = []
+        for k, call in enumerate(message.tool_calls):
+            param = f"messages.{index}.tool_calls.{k}.function.arguments"
+            try:
+                arguments = json.loads(call.function.arguments)
+            except ValueError:
+                raise APIError(400, f"{param}: not JSON", param=param) from None
+            if not isinstance(arguments, dict):
+                raise APIError(400, f"{param}: not a JSON object", param=param)
+            out["tool_calls"].append({"id": call.id, "type": "function",
+                                      "function": {"name": call.function.name, "arguments": arguments}})
+    return out
 
 
 def _text(text: str, param: str) -> str:
@@ -376,28 +403,43 @@ class _Shape:
     created: int
     tokenizer: object  # None: tokens are shown as their ids
     logprobs: bool  # the request asked for them
+    calls: Optional[ToolCallReader] = None  # reads tool calls out of the text, when the request gave tools
     text_offset: int = 0  # a completion's text so far, in characters, as the logprobs count them
     _template: Optional[tuple[str, str]] = field(default=None, repr=False)  # see event()
+    _calls_sent: int = 0  # tool calls streamed so far
 
     @property
     def chat(self) -> bool:
         return self.kind == "chat.completion"
 
     def whole(self, chunks: list[StreamChunk], usage: dict) -> dict:
-        text = "".join(c.text or "" for c in chunks)
+        text = self._visible("".join(c.text or "" for c in chunks), final=True)
+        calls = [{k: v for k, v in call.items() if k != "index"} for call in self._new_calls()]
         logprobs = [lp for c in chunks for lp in c.logprobs or []]
-        choice = {"index": 0, "finish_reason": chunks[-1].finish_reason, "logprobs": self._logprobs(logprobs)}
-        choice.update({"message": {"role": "assistant", "content": text}} if self.chat else {"text": text})
+        reason = self._reason(chunks[-1].finish_reason)
+        choice = {"index": 0, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
+        if self.chat:
+            message = {"role": "assistant", "content": text}
+            if calls:
+                message.update(content=text or None, tool_calls=calls)
+            choice["message"] = message
+        else:
+            choice["text"] = text
         return {"id": self.ident, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": [choice], "usage": usage}
 
-    def chunk(self, chunk: Optional[StreamChunk], first: bool = False, usage: bool = False) -> dict:
+    def chunk(self, chunk: Optional[StreamChunk], first: bool = False, usage: bool = False, text=None,
+              tool_calls=None) -> dict:  # fmt: skip
+        """A stream chunk: the first (the role), or one of ``chunk``'s text (``text`` instead, if given) and
+        ``tool_calls`` (with their index in the stream)."""
         if first:
             delta = {"role": "assistant", "content": ""}
             reason, logprobs = None, None
         else:
-            delta = {"content": chunk.text or ""}
-            reason, logprobs = chunk.finish_reason, self._logprobs(chunk.logprobs or [])
+            delta = {"content": chunk.text or "" if text is None else text}
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
+            reason, logprobs = self._reason(chunk.finish_reason), self._logprobs(chunk.logprobs or [])
         choice = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
         choice.update({"delta": delta} if self.chat else {"text": delta["content"]})
         body = {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,
@@ -410,13 +452,36 @@ class _Shape:
         """``chunk`` as a stream event (``usage``: the same for every chunk of a stream). Most events carry text
         alone: a template (made once, by ``chunk``) around the text's JSON, which costs the server's thread a
         fraction of encoding the whole chunk for each token."""
-        if self.logprobs or chunk.finish_reason:
-            return _event(self.chunk(chunk, usage=usage))
+        text = self._visible(chunk.text or "", final=chunk.finish_reason is not None)
+        calls = self._new_calls()
+        if self.logprobs or chunk.finish_reason or calls:
+            return _event(self.chunk(chunk, usage=usage, text=text, tool_calls=calls))
         if self._template is None:  # the text is the last string in the chunk: what follows it holds no string
             head, _, tail = _event(self.chunk(StreamChunk(0, [], _MARK), usage=usage)).rpartition(json.dumps(_MARK))
             self._template = head, tail
         head, tail = self._template
-        return head + json.dumps(chunk.text or "") + tail
+        return head + json.dumps(text) + tail
+
+    def _visible(self, text: str, final: bool) -> str:
+        """What the user sees of generated ``text`` (``final``: the request's last): tool calls taken out."""
+        if self.calls is None:
+            return text
+        text = self.calls.feed(text)
+        return text + self.calls.finish() if final else text
+
+    def _new_calls(self) -> list[dict]:
+        """The tool calls read since the last time, in OpenAI's form (streamed: with their index)."""
+        new = self.calls.calls[self._calls_sent :] if self.calls else []
+        out = []
+        for index, call in enumerate(new, start=self._calls_sent):
+            out.append({"index": index, "id": call.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": call.name, "arguments": json.dumps(call.arguments)}})
+        self._calls_sent += len(new)
+        return out
+
+    def _reason(self, finish_reason: Optional[str]) -> Optional[str]:
+        """OpenAI's finish reason: "tool_calls" for an answer that called tools and ended by itself."""
+        return "tool_calls" if finish_reason == "stop" and self._calls_sent else finish_reason
 
     def usage_chunk(self, usage: dict) -> dict:
         return {"id": self.ident, "object": self._chunk_kind, "created": self.created, "model": self.model,

@@ -1,4 +1,4 @@
-"""The request bodies the server accepts: OpenAI's chat completions and completions, text only.
+"""The request bodies the server accepts: OpenAI's chat completions (with tools) and completions, text only.
 
 Fields OpenAI defines that this server cannot honour are declared, so that a
 request asking for them is refused by name instead of silently ignored; other
@@ -30,17 +30,58 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI's API gives it
+
+
+class ToolCallIn(BaseModel):
+    """A tool call of an earlier assistant turn, as the client sends it back."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant turn's calls
+    tool_call_id: Optional[str] = None  # the call a tool message answers
 
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(part.text for part in self.content)
         return self.content or ""
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: Annotated[str, Field(min_length=1)]
+    description: Optional[str] = None
+    parameters: Optional[dict] = None
+
+
+class ToolSpec(BaseModel):
+    """A tool the model may call: a function, as OpenAI's API describes one."""
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(BaseModel):
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -75,7 +116,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
-    tools: Optional[Annotated[list, Field(max_length=0)]] = Field(None, description="Tool calling is not supported")
+    tools: Optional[list[ToolSpec]] = None
+    tool_choice: Optional[Union[Literal["none", "auto"], Literal["required"], NamedToolChoice]] = None
+    parallel_tool_calls: Optional[bool] = None
     response_format: Optional[dict[Literal["type"], Literal["text"]]] = Field(
         None, description="Only plain text responses are supported"
     )
@@ -132,15 +175,22 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobEntry]
 
 
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: Optional[str]  # null when the answer is tool calls alone
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: Optional[ChatLogprobs] = None
 
 
