@@ -127,7 +127,8 @@ def engine_options(options: PagedOptions) -> dict:
     }
 
 
-def sampling_params(options: PagedOptions):
+def sampling_params(options: PagedOptions, json_schema: Optional[dict] = None):
+    """The request's sampling, from its options and (``--schema``) the JSON schema its output must fit."""
     from .engine.request import SamplingParams
 
     given = {
@@ -136,4 +137,6 @@ def sampling_params(options: PagedOptions):
         if getattr(options, name) is not None
     }
     stop = [options.stop] if options.stop else None
-    return SamplingParams(max_tokens=options.max_tokens or DEFAULT_MAX_TOKENS, stop=stop, **given)
+    return SamplingParams(
+        max_tokens=options.max_tokens or DEFAULT_MAX_TOKENS, stop=stop, json_schema=json_schema, **given
+    )

@@ -55,7 +55,8 @@ def chat_messages(prompt: llm.Prompt) -> list[dict]:
         results = [part for part in message.parts if isinstance(part, ToolResultPart)]
         for result in results:
             output = result.output if result.exception is None else f"Error: {result.exception}"
-            messages.append({"role": "tool", "content": output, "name": result.name, "tool_call_id": result.tool_call_id})
+            message = {"role": "tool", "content": output, "name": result.name, "tool_call_id": result.tool_call_id}
+            messages.append(message)
         if text or calls or not results:
             messages.append({"role": message.role, "content": text})
         if calls:
@@ -115,6 +116,7 @@ class _Report:
 class _PagedBase:
     can_stream = True
     supports_tools = True
+    supports_schema = True
 
     class Options(PagedOptions, llm.Options):
         """This plugin's options on llm's base."""
@@ -126,7 +128,7 @@ class _PagedBase:
 
     def _submit(self, prompt) -> Submission:
         try:
-            params = sampling_params(prompt.options)
+            params = sampling_params(prompt.options, prompt.schema)
         except ValueError as e:
             raise llm.ModelError(one_line(e)) from None
         messages, tools = chat_messages(prompt), tool_specs(prompt)

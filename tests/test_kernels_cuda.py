@@ -174,9 +174,9 @@ def test_cuda_kernel_serves_windowed_rows_through_the_plan(window, softcap, row_
     want = reference(q_np, k_np, v_np, row_tables, row_lens, 0.1, window, sinks_np, softcap)
     assert rel_error(out, want) <= LIMIT[mx.bfloat16]
     assert all(kernel._checked.values())
-    # sinks in another dtype than the queries (gpt-oss keeps them in float32) read the same
-    again = kernel(q, k_pool, v_pool, plan, 0.1, window=window, sinks=sinks.astype(mx.float32), softcap=softcap)
-    assert mx.array_equal(again, out).item()
+    if row_prefill_max_reads:  # every row in the fused kernel: sinks in another dtype than the queries read the same
+        again = kernel(q, k_pool, v_pool, plan, 0.1, window=window, sinks=sinks.astype(mx.float32), softcap=softcap)
+        assert mx.array_equal(again, out).item()
 
 
 @pytest.mark.parametrize(

@@ -346,6 +346,38 @@ def test_tools_for_a_model_without_a_tool_call_format_are_400(client):
         client.chat.completions.create(model=MODEL, messages=chat(FRANCE), tools=[tool])
 
 
+def test_response_format_json_schema_and_json_object(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30},
+                                               "population": {"type": "integer", "minimum": 0, "maximum": 10**8}},
+              "required": ["city", "population"]}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    reply = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=200, response_format=fmt)
+    answer = json.loads(reply.choices[0].message.content)
+    assert set(answer) == {"city", "population"} and isinstance(answer["population"], int)
+    stream = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=200, response_format=fmt,
+                                            stream=True)  # fmt: skip
+    assert json.loads("".join(c.choices[0].delta.content or "" for c in stream)) == answer
+    reply = client.chat.completions.create(model=MODEL, messages=chat("Give a JSON object with the keys name and age."),
+                                           max_tokens=200, response_format={"type": "json_object"})  # fmt: skip
+    assert isinstance(json.loads(reply.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize(
+    "fmt,words",
+    [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objectx"}}},
+         ["invalid JSON schema", "objectx"]),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, ["response_format", "name"]),
+        ({"type": "yaml"}, ["response_format"]),
+    ],
+)
+def test_a_bad_response_format_is_400(client, fmt, words):
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=4, response_format=fmt)
+    for word in words:
+        assert word in str(error.value)
+
+
 def test_unknown_model_is_404(client):
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         client.chat.completions.create(model="gpt-4o", messages=chat("hi"))

@@ -47,7 +47,10 @@ def read(fmt, pieces):
 
 
 def test_calls_are_taken_out_of_the_text_wherever_the_pieces_break():
-    generated = 'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call> and <tool_call>{"name": "g"}</tool_call>!'
+    generated = (
+        'Sure. <tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>'
+        ' and <tool_call>{"name": "g"}</tool_call>!'
+    )
     want = ("Sure.  and !", [ToolCall("f", {"x": 1}), ToolCall("g", {})])
     for size in (1, 2, 3, 7, len(generated)):  # markers split across pieces, or whole
         assert read(json_tools, [generated[i : i + size] for i in range(0, len(generated), size)]) == want

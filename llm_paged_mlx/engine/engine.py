@@ -18,6 +18,7 @@ from . import kv_groups
 from .block_manager import BlockManager
 from .disk.format import device, host
 from .disk.store import KVDiskCache, KVDiskCacheWarning
+from .grammar import Grammars
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_reserve
 from .model_check import check_against_mlx_lm
@@ -166,6 +167,7 @@ class Engine:
         per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
         self.model = model
         self.tokenizer = tokenizer
+        self.grammars = Grammars(tokenizer) if tokenizer is not None else None
         if num_blocks is None:
             # Prompts of hybrid models run right-padded: up to twice the step's tokens.
             step_tokens = max_num_batched_tokens * (2 if state_layouts else 1)
@@ -259,6 +261,10 @@ class Engine:
             )
         stops = set(params.stop_token_ids or ()) | (set() if params.ignore_eos else self.eos_token_ids)
         request = Request(next(self._ids), token_ids, params, max_total_tokens=limit, stop_token_ids=frozenset(stops))
+        if params.json_schema is not None:
+            if self.grammars is None:
+                raise ValueError("json_schema needs the model's tokenizer: this engine has none")
+            request.grammar = self.grammars.matcher(params.json_schema)
         self.requests[request.request_id] = request
         if self.tokenizer is not None:
             after = token_ids[-1] if params.continues_prompt and token_ids else None
@@ -457,7 +463,9 @@ class Engine:
         """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them)."""
         logits = self.runner.forward(chunks, input_tokens)
         sampled = [c.request for c in chunks if c.completes]
-        tokens = sample(logits, sampled) if sampled else None
+        grammars = [r.grammar for r in sampled]
+        allowed = self.grammars.allowed(grammars, logits.shape[-1]) if any(g is not None for g in grammars) else None
+        tokens = sample(logits, sampled, allowed) if sampled else None
         step_logprobs = logprobs(logits, tokens, sampled) if sampled else None
         size = self.blocks.block_size
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
@@ -526,6 +534,8 @@ class Engine:
         """
         running, sampled = self.scheduler.running, launched.sampled
         if self.scheduler.waiting or not sampled or len(running) != len(sampled):
+            return False
+        if any(r.grammar is not None for r in sampled):  # its next mask follows the token being computed
             return False
         if len(sampled) > self.scheduler.max_num_batched_tokens or set(map(id, running)) != set(map(id, sampled)):
             return False
@@ -598,6 +608,10 @@ class Engine:
         text = self.texts.get(request.request_id)
         if text is not None and text.add(token):
             return self._finish(request, "stop", [token])
+        if request.grammar is not None:
+            request.grammar.consume_token(token)
+            if request.grammar.is_stopped():  # the JSON is whole and nothing may follow it
+                return self._finish(request, "stop", [token])
         if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= request.max_total_tokens:
             return self._finish(request, "length", [token])
         return StreamChunk(request.request_id, [token], text.take(final=False) if text else None)

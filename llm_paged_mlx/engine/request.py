@@ -20,6 +20,8 @@ class SamplingParams:
     ``logprobs`` most likely tokens (0 to ``MAX_LOGPROBS``; None: none).
     ``continues_prompt``: detokenize the text as the prompt's continuation, so that it
     keeps a leading space that a reply's text drops (OpenAI's completions).
+    ``json_schema``: the output is JSON that fits this schema (a dict; ``{"type": "object"}``
+    for any object): only tokens that keep it so are sampled (``engine.grammar``).
     """
 
     max_tokens: int = 256
@@ -34,6 +36,7 @@ class SamplingParams:
     priority: int = 0
     logprobs: Optional[int] = None
     continues_prompt: bool = False
+    json_schema: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -50,6 +53,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.stop and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.json_schema is not None and not isinstance(self.json_schema, dict):
+            raise ValueError(f"json_schema must be a JSON schema as a dict, got {type(self.json_schema).__name__}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
 
@@ -88,6 +93,7 @@ class Request:
     num_preemptions: int = 0
     num_bypassed: int = 0  # later-ranked requests admitted while this one waited for blocks
     stop_token_ids: frozenset = frozenset()  # EOS (unless ignored) and SamplingParams.stop_token_ids
+    grammar: object = None  # with params.json_schema: the matcher of the tokens it may take next (engine.grammar)
 
     @property
     def blocks(self) -> SequenceBlocks:

@@ -27,8 +27,11 @@ class StepLogprobs:
     top_values: Optional[mx.array]
 
 
-def sample(logits: mx.array, requests: list[Request]) -> mx.array:
-    """One token per row of ``logits`` (lazy), row ``i`` for ``requests[i]``."""
+def sample(logits: mx.array, requests: list[Request], allowed: Optional[mx.array] = None) -> mx.array:
+    """One token per row of ``logits`` (lazy), row ``i`` for ``requests[i]``, among the tokens ``allowed``
+    (booleans shaped as the logits; None: all) before any other filter."""
+    if allowed is not None:
+        logits = mx.where(allowed, logits, -mx.inf)
     greedy = mx.argmax(logits, axis=-1)
     if all(r.params.temperature == 0 for r in requests):
         return greedy

@@ -144,7 +144,8 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
                            "call a tool; it cannot be made to)", param="tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         top = body.top_logprobs if body.top_logprobs is not None else 0
-        params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None)
+        params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None,
+                          json_schema=body.json_schema())  # fmt: skip
         run = await start(lambda tokenizer: render_prompt(tokenizer, messages, tools), params, request)
         return await respond(run, body, request, "chat.completion", "chatcmpl", tools)
 
@@ -160,12 +161,13 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         return await respond(run, body, request, "text_completion", "cmpl")
 
     def sampling(body: SamplingFields, max_tokens: Optional[int], logprobs: Optional[int],
-                 continues_prompt: bool = False) -> SamplingParams:
+                 continues_prompt: bool = False, json_schema: Optional[dict] = None) -> SamplingParams:
         if max_tokens is not None and max_tokens > served.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {served.max_tokens_limit}",
                            param="max_tokens")
         given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
-                 "stop": body.stops(), "logprobs": logprobs, "continues_prompt": continues_prompt}
+                 "stop": body.stops(), "logprobs": logprobs, "continues_prompt": continues_prompt,
+                 "json_schema": json_schema}
         try:
             return SamplingParams(**{**served.defaults, **{k: v for k, v in given.items() if v is not None}})
         except ValueError as e:

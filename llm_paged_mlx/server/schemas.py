@@ -84,6 +84,28 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
+class TextFormat(BaseModel):
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    type: Literal["json_object"]
+
+
+class JsonSchemaSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: Annotated[str, Field(min_length=1, max_length=64)]
+    description: Optional[str] = None
+    schema_: dict = Field(default_factory=dict, alias="schema")
+    strict: Optional[bool] = None
+
+
+class JsonSchemaFormat(BaseModel):
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
 class StreamOptions(BaseModel):
     include_usage: Optional[bool] = False
 
@@ -119,9 +141,15 @@ class ChatCompletionRequest(SamplingFields):
     tools: Optional[list[ToolSpec]] = None
     tool_choice: Optional[Union[Literal["none", "auto"], Literal["required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[dict[Literal["type"], Literal["text"]]] = Field(
-        None, description="Only plain text responses are supported"
-    )
+    response_format: Optional[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat]] = Field(None, discriminator="type")
+
+    def json_schema(self) -> Optional[dict]:
+        """The JSON schema the answer must fit, if the response format asks for JSON."""
+        if isinstance(self.response_format, JsonSchemaFormat):
+            return self.response_format.json_schema.schema_
+        if isinstance(self.response_format, JsonObjectFormat):
+            return {"type": "object"}
+        return None
 
 
 class CompletionRequest(SamplingFields):

@@ -1,0 +1,150 @@
+"""Structured output: JSON schemas as per-request grammars in the batched sampler, from the engine to the CLI.
+
+The engine tests run a tiny random-weight llama over SmolLM2's tokenizer: whatever it would write, the
+grammar lets it write only JSON that fits the schema. The schemas bound their strings, numbers and arrays,
+so that a model that never chooses to stop still ends within the token limit.
+"""
+
+import json
+
+import jsonschema
+import mlx.core as mx
+import pytest
+from models import tiny_model
+from smollm2 import smollm2_dir
+from test_engine import collect, reference
+from test_plugin import assert_clean_error, ok, run_llm, user_dir  # noqa: F401 (a fixture)
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine.grammar import JsonSchemaError, closed
+from llm_paged_mlx.models.loading import load_model
+
+SCHEMAS = [
+    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer",
+     "minimum": 0, "maximum": 150}}, "required": ["name", "age"]},
+    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
+     "maxLength": 30}, "population": {"type": "integer", "minimum": 0, "maximum": 100000000}}, "required": ["city",
+     "country", "population"]},
+    {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string", "maxLength": 12},
+     "minItems": 2, "maxItems": 4}}, "required": ["colors"]},
+    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": {"type": "number",
+     "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]},
+    {"type": "object", "properties": {"person": {"type": "object", "properties": {"first": {"type": "string",
+     "maxLength": 20}, "last": {"type": "string", "maxLength": 20}, "address": {"type": "object",
+     "properties": {"street": {"type": "string", "maxLength": 30}, "zip": {"type": "string",
+     "pattern": "^[0-9]{5}$"}}, "required": ["street", "zip"]}}, "required": ["first", "last", "address"]}},
+     "required": ["person"]},
+    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+     "required": ["x", "y"]}, "minItems": 1, "maxItems": 3},
+    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
+     "maxLength": 40}}, "required": ["ok", "note"]},
+    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60},
+     "unit": {"type": "string", "enum": ["C", "F"]}}, "required": ["temperature", "unit"]},
+    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+     "maxItems": 3}, "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["tags", "count"]},
+    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}, "pages": {"type": "integer",
+     "minimum": 1, "maximum": 5000}, "authors": {"type": "array", "items": {"type": "string", "maxLength": 30},
+     "minItems": 1, "maxItems": 3}}, "required": ["title", "pages", "authors"]},
+]  # fmt: skip
+
+QUESTIONS = [
+    "Invent a person.", "Describe a city.", "Name some colors.", "Is the sky blue?", "Invent a person with an address.",
+    "Give some points.", "Is all well?", "What is the weather?", "Tag this: a red apple.", "Invent a book.",
+]  # fmt: skip
+
+
+# For a random model, which would write digits without end: schemas whose every value is bounded (a number's
+# fraction is not).
+BOUNDED = [(s, q) for s, q in zip(SCHEMAS, QUESTIONS) if '"number"' not in json.dumps(s)]
+
+
+def valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def test_objects_that_name_their_properties_take_no_others_unless_they_say():
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
+              "$defs": {"c": {"properties": {"d": {}}}}, "anyOf": [{"type": "object"}]}  # fmt: skip
+    got = closed(schema)
+    assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
+    assert got["$defs"]["c"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["anyOf"][0]  # any object stays any object
+    assert closed({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
+    assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_model(str(smollm2_dir()))[1]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("llama", vocab_size=49152)
+
+
+def test_constrained_and_free_requests_share_steps_under_preemption(tiny, tokenizer):
+    """Free requests keep mlx-lm's greedy tokens; every constrained one ends in JSON that fits its schema."""
+    engine = Engine(tiny, tokenizer, block_size=16, num_blocks=20, max_num_batched_tokens=64)
+    prompts = [tokenizer.encode(q) for _, q in BOUNDED]
+    params = [SamplingParams(max_tokens=300, json_schema=s) for s, _ in BOUNDED]
+    free = [tokenizer.encode("Once upon a time"), tokenizer.encode("The capital of France")]
+    free_params = [SamplingParams(max_tokens=40)] * 2
+    requests = list(zip(prompts[:5] + free + prompts[5:], params[:5] + free_params + params[5:]))
+    ids = [engine.add_request(*r) for r in requests[:4]]
+    outputs = {}
+    for _ in range(3):
+        collect(engine.step(), outputs)
+    ids += [engine.add_request(*r) for r in requests[4:]]
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    got = [outputs[i] for i in ids]
+    assert engine.stats()["preemptions"] > 0
+    for tokens, (schema, _) in zip(got[:5] + got[7:], BOUNDED):
+        assert valid(tokenizer.decode(tokens), schema), tokenizer.decode(tokens)
+    for prompt, tokens in zip(free, got[5:7]):
+        assert tokens == reference(tiny, prompt, 40)
+    assert engine.stats()["free_blocks"] == 19
+
+
+def test_sampled_constrained_requests_fit_their_schemas(tiny, tokenizer):
+    engine = Engine(tiny, tokenizer, num_blocks=128)
+    params = [SamplingParams(max_tokens=300, temperature=1.0, top_p=0.9, seed=i, json_schema=s)
+              for i, (s, _) in enumerate(BOUNDED)]  # fmt: skip
+    outputs = engine.generate([q for _, q in BOUNDED], params)
+    assert all(o.finish_reason == "stop" and valid(o.text, s) for o, (s, _) in zip(outputs, BOUNDED))
+
+
+@pytest.mark.parametrize(
+    "schema,words",
+    [
+        ({"type": "objectx"}, ["invalid JSON schema", "objectx"]),
+        ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, ["invalid JSON schema"]),
+        ({"type": "string", "pattern": "(unclosed"}, ["invalid JSON schema"]),
+    ],
+)
+def test_a_schema_that_is_no_grammar_is_refused_and_nothing_is_kept(tiny, tokenizer, schema, words):
+    engine = Engine(tiny, tokenizer, num_blocks=32)
+    with pytest.raises(JsonSchemaError) as error:
+        engine.add_request("Hi", SamplingParams(json_schema=schema))
+    assert all(word in str(error.value) for word in words)
+    assert not engine.has_unfinished() and engine.stats()["free_blocks"] == 31
+    with pytest.raises(ValueError, match="json_schema must be a JSON schema as a dict"):
+        SamplingParams(json_schema="name, age int")
+    with pytest.raises(ValueError, match="needs the model's tokenizer"):
+        Engine(tiny, None, num_blocks=32).add_request([1, 2, 3], SamplingParams(json_schema={"type": "object"}))
+
+
+def test_llm_schema_gives_json_that_fits_for_ten_schemas(user_dir):  # noqa: F811
+    for schema, question in zip(SCHEMAS, QUESTIONS):
+        output = ok("-m", "paged-smollm2", "--schema", json.dumps(schema), "-o", "max_tokens", 300, question)
+        assert valid(output, schema), (schema, output)
+
+
+def test_llm_schema_errors_are_clean(user_dir):  # noqa: F811
+    result = run_llm("-m", "paged-smollm2", "--schema", '{"type": "objectx"}', "Hi")
+    assert_clean_error(result, "invalid JSON schema", "objectx")
