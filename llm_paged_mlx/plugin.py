@@ -55,8 +55,8 @@ def chat_messages(prompt: llm.Prompt) -> list[dict]:
         results = [part for part in message.parts if isinstance(part, ToolResultPart)]
         for result in results:
             output = result.output if result.exception is None else f"Error: {result.exception}"
-            message = {"role": "tool", "content": output, "name": result.name, "tool_call_id": result.tool_call_id}
-            messages.append(message)
+            call_id = result.tool_call_id
+            messages.append({"role": "tool", "content": output, "name": result.name, "tool_call_id": call_id})
         if text or calls or not results:
             messages.append({"role": message.role, "content": text})
         if calls:

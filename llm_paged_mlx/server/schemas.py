@@ -139,7 +139,7 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: Optional[bool] = False
     top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
     tools: Optional[list[ToolSpec]] = None
-    tool_choice: Optional[Union[Literal["none", "auto"], Literal["required"], NamedToolChoice]] = None
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat]] = Field(None, discriminator="type")
 
