@@ -16,7 +16,7 @@ from test_engine import collect, reference
 from test_plugin import assert_clean_error, ok, run_llm, user_dir  # noqa: F401 (a fixture)
 
 from llm_paged_mlx import Engine, SamplingParams
-from llm_paged_mlx.engine.grammar import JsonSchemaError, closed
+from llm_paged_mlx.engine.grammar import Grammars, JsonSchemaError, closed
 from llm_paged_mlx.models.loading import load_model
 
 SCHEMAS = [
@@ -67,14 +67,32 @@ def valid(text: str, schema: dict) -> bool:
 
 
 def test_objects_that_name_their_properties_take_no_others_unless_they_say():
-    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}}},
-              "$defs": {"c": {"properties": {"d": {}}}}, "anyOf": [{"type": "object"}]}  # fmt: skip
+    schema = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {}}},
+                                               "e": {"type": "array", "items": {"type": "object"}}},
+              "$defs": {"c": {"properties": {"d": {}}}}}  # fmt: skip
     got = closed(schema)
     assert got["additionalProperties"] is False and got["properties"]["a"]["additionalProperties"] is False
     assert got["$defs"]["c"]["additionalProperties"] is False
-    assert "additionalProperties" not in got["anyOf"][0]  # any object stays any object
+    assert "additionalProperties" not in got["properties"]["e"]["items"]  # any object stays any object
     assert closed({"properties": {}, "additionalProperties": True})["additionalProperties"] is True
     assert "additionalProperties" not in schema  # the caller's schema is left alone
+
+
+# Objects whose properties are named in several places, or not at all: closing them would forbid every answer.
+OPEN = [
+    {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}}, "required": ["kind"],
+     "anyOf": [{"properties": {"x": {"type": "integer"}}, "required": ["x"]},
+               {"properties": {"y": {"type": "integer"}}, "required": ["y"]}]},
+    {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                                 {"properties": {"b": {"type": "integer"}}, "required": ["b"]}]},
+    {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a", "b"]},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("schema", OPEN, ids=["anyOf", "allOf", "required-unnamed"])
+def test_objects_named_in_several_places_stay_open_and_compile(tokenizer, schema):
+    assert "additionalProperties" not in json.dumps(closed(schema))
+    Grammars(tokenizer).matcher(schema)  # satisfiable: no error
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +143,7 @@ def test_sampled_constrained_requests_fit_their_schemas(tiny, tokenizer):
         ({"type": "objectx"}, ["invalid JSON schema", "objectx"]),
         ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, ["invalid JSON schema"]),
         ({"type": "string", "pattern": "(unclosed"}, ["invalid JSON schema"]),
+        ({"$ref": "#"}, ["invalid JSON schema"]),  # a cycle: seen only once the first mask is made
     ],
 )
 def test_a_schema_that_is_no_grammar_is_refused_and_nothing_is_kept(tiny, tokenizer, schema, words):

@@ -66,6 +66,11 @@ def test_a_call_that_does_not_parse_is_given_back_as_text():
     assert read(json_tools, ['<tool_call>{"name": "f", "argu']) == ('<tool_call>{"name": "f", "argu', [])
 
 
+def test_a_call_too_deep_to_parse_is_given_back_as_text():
+    deep = "<tool_call>" + "[" * 5000 + "</tool_call>"  # json.loads raises RecursionError
+    assert read(json_tools, [deep]) == (deep, [])
+
+
 def test_a_format_without_an_end_marker_ends_its_calls_with_the_text():
     text, calls = read(mistral, ['Checking.[TOOL_CALLS][{"name": "f", "arguments": "{\\"a\\": [1]}"}]'])
     assert text == "Checking." and calls == [ToolCall("f", {"a": [1]})]  # arguments given as JSON text are read

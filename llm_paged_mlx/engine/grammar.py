@@ -49,14 +49,21 @@ class Grammars:
         except (ValueError, TypeError) as e:
             raise JsonSchemaError(f"invalid JSON schema: {e}") from None
         matcher = llguidance.LLMatcher(self._tokenizer, grammar)
+        if not matcher.is_error():  # some dead ends (a $ref cycle) show only when the first mask is made
+            llguidance.numpy.fill_next_token_bitmask(matcher, llguidance.numpy.allocate_token_bitmask(1, self.size))
         if matcher.is_error():
             raise JsonSchemaError(f"invalid JSON schema: {matcher.get_error()}")
         return matcher
 
+    @property
+    def size(self) -> int:
+        """The tokenizer's vocabulary, as llguidance counts it."""
+        return self._tokenizer.vocab_size
+
     def allowed(self, matchers: list[Optional[llguidance.LLMatcher]], vocab_size: int) -> mx.array:
         """``(len(matchers), vocab_size)`` booleans: the tokens each row may take next; every token for a
         row without a matcher, and none past the tokenizer's vocabulary for a row with one."""
-        words = -(-self._tokenizer.vocab_size // 32)
+        words = -(-self.size // 32)
         mask = np.full((len(matchers), max(words, -(-vocab_size // 32))), -1, dtype=np.int32)
         for row, matcher in enumerate(matchers):
             if matcher is not None:
@@ -70,11 +77,14 @@ class Grammars:
 _SUBSCHEMA = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
 _SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _SUBSCHEMA_DICTS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_COMPOSITIONS = ("allOf", "anyOf", "oneOf")
 
 
-def closed(schema):
-    """``schema`` with ``additionalProperties: false`` in every schema that names properties and does not say
-    otherwise (``{"type": "object"}`` alone stays any object)."""
+def closed(schema, composed: bool = False):
+    """``schema`` with ``additionalProperties: false`` in every object schema that names all its properties
+    and does not say otherwise: not ``{"type": "object"}`` alone (any object), not one that requires a
+    property it does not name, and not one that is combined with others (``allOf``/``anyOf``/``oneOf``
+    branches, and objects that have them or a ``$ref``), whose properties may be named elsewhere."""
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
@@ -83,12 +93,18 @@ def closed(schema):
             out[key] = closed(out[key])
     for key in _SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
-            out[key] = [closed(s) for s in out[key]]
+            out[key] = [closed(s, composed=key in _COMPOSITIONS) for s in out[key]]
     for key in _SUBSCHEMA_DICTS:
         if isinstance(out.get(key), dict):
             out[key] = {name: closed(s) for name, s in out[key].items()}
     if isinstance(out.get("additionalProperties"), dict):
         out["additionalProperties"] = closed(out["additionalProperties"])
-    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+    names = out.get("properties")
+    if (
+        isinstance(names, dict)
+        and not composed
+        and not any(key in out for key in ("additionalProperties", "patternProperties", "$ref", *_COMPOSITIONS))
+        and set(out.get("required", [])) <= set(names)
+    ):
         out["additionalProperties"] = False
     return out
