@@ -7,9 +7,10 @@ llguidance was chosen by measurement (benchmarks/RESULTS.md): its masks for 64
 requests take under a millisecond a step at a 150K vocabulary, and a schema
 compiles in about one.
 
-An object whose schema names properties takes only those unless the schema
-says ``additionalProperties`` (as OpenAI's strict mode has it): otherwise a
-model may add properties without end; the output still fits the schema given.
+An object whose schema names all its properties takes only those unless the
+schema says ``additionalProperties`` (as OpenAI's strict mode has it; see
+``closed``): otherwise a model may add properties without end; the output
+still fits the schema given.
 """
 
 import json
