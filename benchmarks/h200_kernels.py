@@ -320,6 +320,13 @@ def print_windowed(rows):
               f"  {ratio}  {r['fused'] / r['portable']:14.2f}  {r['fused_err']:.0e}")
 
 
+def save(report: dict, name: str) -> None:
+    """The report as JSON in $OUT (what the device tool brings back), if set."""
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
+            json.dump(report, f, indent=1)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="fewer sizes")
@@ -334,20 +341,13 @@ def main():
     except Exception:
         report["gpu"] = "?"
     print(f"MLX {report['mlx']} on {report['gpu']}, {report['date']}", flush=True)
-    if args.quantized:
-        rows = quantized_section(report, args.quick)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "h200_kernels_quantized.json"), "w") as f:
-                json.dump(report, f, indent=1)
-        print_quantized(rows)
-        return
-    if args.windowed:
-        rows = windowed_section(report, args.quick)
-        if os.environ.get("OUT"):
-            with open(os.path.join(os.environ["OUT"], "h200_kernels_windowed.json"), "w") as f:
-                json.dump(report, f, indent=1)
-        print_windowed(rows)
-        return
+    sections = {"quantized": (quantized_section, print_quantized), "windowed": (windowed_section, print_windowed)}
+    for name, (section, show) in sections.items():
+        if getattr(args, name):  # that section alone
+            rows = section(report, args.quick)
+            save(report, f"h200_kernels_{name}.json")
+            show(rows)
+            return
 
     print("== correctness: fused vs portable (relative error) ==", flush=True)
     checker = CudaKernel()
@@ -408,9 +408,7 @@ def main():
 
     quantized_rows = quantized_section(report, args.quick)
 
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "h200_kernels.json"), "w") as f:
-            json.dump(report, f, indent=1)
+    save(report, "h200_kernels.json")
 
     print(f"\nMLX {report['mlx']}, {report['gpu']}, {report['date']}; copy {report['copy_tbps']:.2f} TB/s")
     print("  B  context   sdpa  gather  portable   fused  fused/sdpa  fused TB/s  % copy  err     alt")

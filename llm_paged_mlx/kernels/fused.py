@@ -130,24 +130,20 @@ class FusedKernel:
         if not self.usable(queries.dtype, k_pool, v_pool, queries.shape[1], window, sinks is not None, softcap):
             return self.portable(queries, k_pool, v_pool, plan, scale, **masking)
 
-        def rows(tables, lens, narrowed=None):
-            """Single-query rows, their tables narrowed to the blocks a window reaches."""
+        def rows(every_row: bool):
+            """Single-query rows (the decode rows, or every row), their tables narrowed to a window's reach."""
+            tables, lens = plan.row_tables() if every_row else (plan.decode_block_tables, plan.decode_context_lens)
+            starts = None
             if window is not None:
-                tables, starts = narrowed or window_tables(tables, lens, window, plan.block_size)
-            else:
-                starts = None
+                tables, starts = plan.window_tables(window, every_row)
             q = queries[: lens.shape[0]]
             return self.decode(q, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts)
 
-        def decode_rows():
-            narrowed = plan.window_tables(window) if window is not None else None  # shared by the step's layers
-            return rows(plan.decode_block_tables, plan.decode_context_lens, narrowed)
-
         if not plan.prefills:
-            return decode_rows()
+            return rows(every_row=False)
         if all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
-            return rows(*plan.row_tables())
-        parts = [decode_rows()] if plan.num_decode else []
+            return rows(every_row=True)
+        parts = [rows(every_row=False)] if plan.num_decode else []
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             table, length = chunk.block_table, chunk.context_len

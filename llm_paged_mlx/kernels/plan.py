@@ -88,12 +88,13 @@ class AttentionPlan:
             self._cache[key] = idx + offset[:, None]
         return self._cache[key]
 
-    def window_tables(self, window: int) -> tuple[mx.array, "mx.array | None"]:
-        """The decode rows' block tables narrowed to the columns a ``window`` can reach, and the position
-        each row's first column starts at (None when nothing was cut), shared by the step's layers."""
-        key = ("window", window)
+    def window_tables(self, window: int, every_row: bool = False) -> tuple[mx.array, "mx.array | None"]:
+        """The decode rows' block tables (``every_row``: ``row_tables``') narrowed to the columns a ``window``
+        can reach, and the position each row's first column starts at (None when nothing was cut), shared by
+        the step's layers."""
+        key = ("window", window, every_row)
         if key not in self._cache:
-            tables, lens = self.decode_block_tables, self.decode_context_lens
+            tables, lens = self.row_tables() if every_row else (self.decode_block_tables, self.decode_context_lens)
             self._cache[key] = window_tables(tables, lens, window, self.block_size)
         return self._cache[key]
 
