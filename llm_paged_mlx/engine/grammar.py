@@ -44,7 +44,10 @@ class Grammars:
     def matcher(self, schema: dict) -> llguidance.LLMatcher:
         """A matcher at the start of ``schema``; ``JsonSchemaError`` if it is not one llguidance takes."""
         if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+            try:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf)
+            except Exception as e:  # what llguidance cannot read of a tokenizer: its decoder, its vocabulary, ...
+                raise ValueError(f"this model's tokenizer cannot constrain output to a JSON schema ({e})") from None
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(closed(schema)), defaults=LAYOUT)
         except (ValueError, TypeError) as e:
