@@ -1,8 +1,8 @@
 """Which library makes the token masks of JSON-schema constrained decoding: llguidance or outlines-core.
 
-    PYTHONPATH=. python3 benchmarks/constrained_masks.py
+    PYTHONPATH=. python3 benchmarks/constrained_masks.py [--tokenizer-dir DIR]
 
-For SmolLM2's tokenizer (49,152 tokens) and a byte-level BPE tokenizer grown from it to 150,000 tokens (the
+For SmolLM2's tokenizer (49,152 tokens; from ``--tokenizer-dir``, default the test cache) and a byte-level BPE tokenizer grown from it to 150,000 tokens (the
 size of Qwen's), and the JSON schemas of ``tests/test_schemas.py``: the time to compile a schema into what
 makes masks (first use), and the time to make the masks of one decode step for 64 requests, each at its own
 point of its own schema (every request advanced by tokens its mask allows, chosen at random, as sampling
@@ -10,8 +10,10 @@ would). llguidance makes a step's masks on its thread pool (``LLExecutor``) or o
 outlines-core one after another. Median of the steps; xgrammar is left out (it needs PyTorch).
 """
 
+import argparse
 import datetime
 import importlib.metadata
+import importlib.util
 import json
 import os
 import random
@@ -24,13 +26,11 @@ import llguidance
 import llguidance.hf
 import llguidance.numpy
 import numpy as np
-import outlines_core
 from tokenizers import Tokenizer
 from transformers import PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from smollm2 import smollm2_dir  # noqa: E402
-from test_schemas import SCHEMAS  # noqa: E402
+from json_schemas import SCHEMAS  # noqa: E402
 
 REQUESTS, STEPS, LARGE_VOCAB = 64, 24, 150_000
 
@@ -85,6 +85,7 @@ def llguidance_case(tokenizer, schemas):
 
 
 def outlines_case(tokenizer, schemas, eos: int):
+    import outlines_core
     from outlines_core import Guide, Index, Vocabulary
 
     start = time.perf_counter()
@@ -135,9 +136,19 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 def main():
-    versions = {name: importlib.metadata.version(name) for name in ("llguidance", "outlines-core")}
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer-dir", help="SmolLM2's folder (default: the test cache)")
+    args = parser.parse_args()
+    if args.tokenizer_dir is None:
+        from smollm2 import smollm2_dir
+
+        args.tokenizer_dir = smollm2_dir()
+    libraries = {"llguidance": llguidance_case, "outlines-core": outlines_case}
+    if importlib.util.find_spec("outlines_core") is None:
+        del libraries["outlines-core"]
+    versions = {name: importlib.metadata.version(name) for name in libraries}
     print(f"# {datetime.date.today()}, {versions}, {os.cpu_count()} CPUs, {REQUESTS} requests")
-    source = smollm2_dir() / "tokenizer.json"
+    source = Path(args.tokenizer_dir) / "tokenizer.json"
     tokenizers = {
         "SmolLM2 (49,152)": PreTrainedTokenizerFast(tokenizer_file=str(source), eos_token="<|im_end|>"),
         f"grown ({LARGE_VOCAB:,})": grown(json.loads(source.read_text()), LARGE_VOCAB),
@@ -148,7 +159,7 @@ def main():
     print("|---|---|---:|---:|---:|---:|")
     for name, tokenizer in tokenizers.items():
         eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        for library, case in (("llguidance", llguidance_case), ("outlines-core", outlines_case)):
+        for library, case in libraries.items():
             row = case(tokenizer, schemas) if library == "llguidance" else case(tokenizer, schemas, eos)
             parallel = f"{row['step_parallel_ms']:.2f}" if "step_parallel_ms" in row else "-"
             print(f"| {name} | {library} | {row['tokenizer_s']:.2f} | {row['compile_ms']:.1f} | {parallel} | "

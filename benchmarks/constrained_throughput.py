@@ -8,7 +8,8 @@ with SmolLM2's tokenizer (its vocabulary, 49,152). Each request asks for a list 
 objects with a bounded name, an integer age and an enum), at least 100 of them, so the grammar keeps every
 request going for exactly ``--new-tokens`` tokens; the free requests ignore EOS, so both generate the same
 number of tokens and only time differs. The two are run in alternation after a warm-up, ``--rounds``
-times; medians are reported.
+times; medians are reported, and the time llguidance takes to make one step's masks (median and mean over the
+steps; the engine makes them on another thread while it launches the step's forward pass).
 """
 
 import argparse
@@ -59,6 +60,20 @@ def load(args):
     return model, load_tokenizer(folder)
 
 
+def timed(owner, name: str) -> list[float]:
+    """Wrap ``owner.name`` to note each call's milliseconds in the list returned."""
+    function, times = getattr(owner, name), []
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        result = function(*args, **kwargs)
+        times.append((time.perf_counter() - start) * 1e3)
+        return result
+
+    setattr(owner, name, wrapper)
+    return times
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--random", choices=["qwen3-0.6b"], help="a random-weight model of this shape")
@@ -69,11 +84,12 @@ def main():
     args = parser.parse_args()
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer, kv_budget_bytes=2 << 30)
+    mask_ms = timed(engine.grammars, "bitmask")
     name = args.random or "SmolLM2-135M"
     print(f"# {datetime.date.today()}, mlx {mx.__version__} on {mx.default_device()}, {name}, "
           f"{args.new_tokens} new tokens per request")  # fmt: skip
-    print("| requests | free tok/s | constrained tok/s | constrained / free |")
-    print("|---:|---:|---:|---:|")
+    print("| requests | free tok/s | constrained tok/s | constrained / free | masks of a step ms, median / mean |")
+    print("|---:|---:|---:|---:|---:|")
     for n in args.concurrency:
         questions = [[{"role": "user", "content": f"List people, {i}."}] for i in range(n)]
         prompts = [tokenizer.apply_chat_template(q, add_generation_prompt=True) for q in questions]
@@ -82,6 +98,7 @@ def main():
             "constrained": SamplingParams(max_tokens=args.new_tokens, json_schema=PEOPLE),
         }
         rates = {kind: [] for kind in kinds}
+        mask_ms.clear()
         for round_ in range(args.rounds + 1):
             for kind, params in kinds.items():
                 start = time.perf_counter()
@@ -92,7 +109,8 @@ def main():
                 if round_:  # the first round warms up
                     rates[kind].append(generated / elapsed)
         free, constrained = (statistics.median(rates[k]) for k in kinds)
-        print(f"| {n} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x |", flush=True)
+        masks = f"{statistics.median(mask_ms):.2f} / {statistics.mean(mask_ms):.2f}"
+        print(f"| {n} | {free:.1f} | {constrained:.1f} | {constrained / free:.2f}x | {masks} |", flush=True)
 
 
 if __name__ == "__main__":

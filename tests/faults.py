@@ -33,8 +33,10 @@ class Injector:
 
 
 def run_through_faults(engine, prompts, params, expected_errors=(Fault,), max_failures=100):
-    """Run prompts to the end, stepping again after each injected error; each request's token ids."""
-    ids = [engine.add_request(p, params) for p in prompts]
+    """Run prompts to the end, stepping again after each injected error; each request's token ids. ``params``:
+    one for all, or a list."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    ids = [engine.add_request(p, q) for p, q in zip(prompts, params)]
     outputs = {i: [] for i in ids}
     failures = 0
     while engine.has_unfinished():

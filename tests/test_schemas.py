@@ -10,42 +10,17 @@ import json
 import jsonschema
 import mlx.core as mx
 import pytest
+from faults import Fault, Injector, run_through_faults
+from json_schemas import SCHEMAS
 from models import tiny_model
 from smollm2 import smollm2_dir
 from test_engine import collect, reference
 from test_plugin import assert_clean_error, ok, run_llm, user_dir  # noqa: F401 (a fixture)
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import grammar as grammar_module
 from llm_paged_mlx.engine.grammar import Grammars, JsonSchemaError, closed
 from llm_paged_mlx.models.loading import load_model
-
-SCHEMAS = [
-    {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30}, "age": {"type": "integer",
-     "minimum": 0, "maximum": 150}}, "required": ["name", "age"]},
-    {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}, "country": {"type": "string",
-     "maxLength": 30}, "population": {"type": "integer", "minimum": 0, "maximum": 100000000}}, "required": ["city",
-     "country", "population"]},
-    {"type": "object", "properties": {"colors": {"type": "array", "items": {"type": "string", "maxLength": 12},
-     "minItems": 2, "maxItems": 4}}, "required": ["colors"]},
-    {"type": "object", "properties": {"answer": {"enum": ["yes", "no", "maybe"]}, "confidence": {"type": "number",
-     "minimum": 0, "maximum": 1}}, "required": ["answer", "confidence"]},
-    {"type": "object", "properties": {"person": {"type": "object", "properties": {"first": {"type": "string",
-     "maxLength": 20}, "last": {"type": "string", "maxLength": 20}, "address": {"type": "object",
-     "properties": {"street": {"type": "string", "maxLength": 30}, "zip": {"type": "string",
-     "pattern": "^[0-9]{5}$"}}, "required": ["street", "zip"]}}, "required": ["first", "last", "address"]}},
-     "required": ["person"]},
-    {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
-     "required": ["x", "y"]}, "minItems": 1, "maxItems": 3},
-    {"type": "object", "properties": {"ok": {"type": "boolean"}, "note": {"type": ["string", "null"],
-     "maxLength": 40}}, "required": ["ok", "note"]},
-    {"type": "object", "properties": {"temperature": {"type": "number", "minimum": -50, "maximum": 60},
-     "unit": {"type": "string", "enum": ["C", "F"]}}, "required": ["temperature", "unit"]},
-    {"type": "object", "properties": {"tags": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
-     "maxItems": 3}, "count": {"type": "integer", "minimum": 0, "maximum": 99}}, "required": ["tags", "count"]},
-    {"type": "object", "properties": {"title": {"type": "string", "maxLength": 40}, "pages": {"type": "integer",
-     "minimum": 1, "maximum": 5000}, "authors": {"type": "array", "items": {"type": "string", "maxLength": 30},
-     "minItems": 1, "maxItems": 3}}, "required": ["title", "pages", "authors"]},
-]  # fmt: skip
 
 QUESTIONS = [
     "Invent a person.", "Describe a city.", "Name some colors.", "Is the sky blue?", "Invent a person with an address.",
@@ -100,6 +75,20 @@ def tokenizer():
     return load_model(str(smollm2_dir()))[1]
 
 
+def test_a_schema_compiles_once_and_each_request_gets_its_own_matcher(tokenizer, monkeypatch):
+    grammars = Grammars(tokenizer)
+    compiles = Injector(monkeypatch, grammars, "_compile")
+    first, second = grammars.matcher(SCHEMAS[0]), grammars.matcher(json.loads(json.dumps(SCHEMAS[0])))
+    assert compiles.calls == 1
+    start = grammars.bitmask([second])
+    assert first.consume_token(tokenizer.encode("{", add_special_tokens=False)[0])
+    assert (grammars.bitmask([second]) == start).all() and not (grammars.bitmask([first]) == start).all()
+    monkeypatch.setattr(grammar_module, "COMPILED_SCHEMAS", 2)
+    for schema in SCHEMAS[1:3] + SCHEMAS[:1]:
+        grammars.matcher(schema)
+    assert compiles.calls == 4  # the first schema was the oldest of three
+
+
 @pytest.fixture(scope="module")
 def tiny():
     return tiny_model("llama", vocab_size=49152)
@@ -127,6 +116,24 @@ def test_constrained_and_free_requests_share_steps_under_preemption(tiny, tokeni
     for prompt, tokens in zip(free, got[5:7]):
         assert tokens == reference(tiny, prompt, 40)
     assert engine.stats()["free_blocks"] == 19
+
+
+def test_constrained_steps_run_ahead_and_a_failure_making_masks_loses_nothing(tiny, tokenizer, monkeypatch):
+    """The next constrained step is launched before the last one's tokens are read (its masks are made while
+    it runs); masks that fail to be made after its launch start every request over, with the same outputs."""
+    prompts = [tokenizer.encode(q) for _, q in BOUNDED]
+    params = [SamplingParams(max_tokens=300, json_schema=s) for s, _ in BOUNDED]
+    engine = Engine(tiny, tokenizer, block_size=16, num_blocks=64)
+    ahead = Injector(monkeypatch, engine, "_run_ahead")
+    expected = run_through_faults(engine, prompts, params)
+    assert ahead.calls > 10
+    assert all(valid(tokenizer.decode(t), s) for t, (s, _) in zip(expected, BOUNDED))
+
+    for stage in ("bitmask", "allowed"):  # on the grammars' thread, then on the engine's
+        engine = Engine(tiny, tokenizer, block_size=16, num_blocks=64)
+        masks = Injector(monkeypatch, engine.grammars, stage, [2, 9, 30], Fault)
+        assert run_through_faults(engine, prompts, params) == expected
+        assert masks.failures == 3 and engine.stats()["free_blocks"] == 63
 
 
 def test_sampled_constrained_requests_fit_their_schemas(tiny, tokenizer):

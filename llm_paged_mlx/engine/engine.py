@@ -3,6 +3,7 @@
 import functools
 import itertools
 import warnings
+from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
@@ -38,14 +39,20 @@ DEFAULT_MAX_NUM_SEQS = 64
 
 @dataclass
 class _Built:
-    """A step built (lazy arrays): its chunks, who it samples, their tokens and log-probabilities, who it fills
-    a block for."""
+    """A step built (lazy arrays): its chunks, who it samples, who it fills a block for, its logits until
+    they are sampled, and the sampled tokens and log-probabilities."""
 
     chunks: list[ScheduledChunk]
     sampled: list[Request]
-    tokens: Optional[mx.array]
-    logprobs: Optional[StepLogprobs]
     filled: list[Request]
+    logits: Optional[mx.array]
+    tokens: Optional[mx.array] = None
+    logprobs: Optional[StepLogprobs] = None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a request it samples has a grammar (its mask follows the tokens before this step)."""
+        return any(r.grammar is not None for r in self.sampled)
 
     def outputs(self) -> list[mx.array]:
         """The arrays the host reads once the step has run."""
@@ -55,8 +62,8 @@ class _Built:
         return [self.tokens, *(a for a in extra or [] if a is not None)]
 
 
-class _DeviceFailure(Exception):
-    """The device failed to run a launched step (the error is its ``__cause__``)."""
+class _LaunchedStepFailed(Exception):
+    """A launched step failed: on the device, or in making its masks (the error is its ``__cause__``)."""
 
 
 @dataclass
@@ -317,9 +324,10 @@ class Engine:
         launch (from a policy, a kernel, the model, or Ctrl-C while waiting for
         the device) undoes it all: requests, blocks, counters and K/V pools are
         as if it had never been scheduled, and the exception reaches the caller.
-        Ctrl-C elsewhere is held until the step is whole. If the device fails
-        to run a launched step, no K/V is trusted any more: every request is
-        computed again from its tokens, and the error reaches the caller. What
+        Ctrl-C elsewhere is held until the step is whole. If a launched step
+        fails (on the device, or in making the masks of constrained requests
+        while it runs), no K/V is trusted any more: every request is computed
+        again from its tokens, and the error reaches the caller. What
         was read before an error comes with the next call.
         """
         with self._interrupts.held():
@@ -341,7 +349,7 @@ class Engine:
             built = self._transaction(self._plan)
             if built is not None:
                 self._launch(built)
-        except _DeviceFailure as failure:
+        except _LaunchedStepFailed as failure:
             self._start_over()
             raise failure.__cause__
 
@@ -366,7 +374,7 @@ class Engine:
         blocks.grow(size)
 
     def _start_over(self) -> None:
-        """After the device failed in a launched step, compute every request again from its tokens.
+        """After a launched step failed, compute every request again from its tokens.
 
         What that step, and any built on it, wrote to the pools is unknown: so no
         block is kept, the prefix cache is emptied and the pools are made anew.
@@ -460,24 +468,45 @@ class Engine:
             self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
 
     def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> _Built:
-        """Build a forward pass and its sampling (lazy arrays: ``_launch`` starts them)."""
+        """Build a forward pass and, unless it is constrained, its sampling (lazy arrays: ``_launch`` starts
+        them)."""
         logits = self.runner.forward(chunks, input_tokens)
         sampled = [c.request for c in chunks if c.completes]
-        grammars = [r.grammar for r in sampled]
-        allowed = self.grammars.allowed(grammars, logits.shape[-1]) if any(g is not None for g in grammars) else None
-        tokens = sample(logits, sampled, allowed) if sampled else None
-        step_logprobs = logprobs(logits, tokens, sampled) if sampled else None
         size = self.blocks.block_size
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
-        return _Built(chunks, sampled, tokens, step_logprobs, filled)
+        built = _Built(chunks, sampled, filled, logits)
+        if sampled and not built.constrained:
+            self._sample(built)
+        return built
+
+    def _sample(self, step: _Built, allowed: Optional[mx.array] = None) -> None:
+        step.tokens = sample(step.logits, step.sampled, allowed)
+        step.logprobs = logprobs(step.logits, step.tokens, step.sampled)
+        step.logits = None
 
     def _launch(self, step: _Built) -> None:
-        """Start a built step on the device; nothing waits for it."""
+        """Start a built step on the device; nothing waits for it.
+
+        A constrained step's masks follow the tokens ``_apply`` has just given
+        its requests: another thread makes them while this one launches the
+        forward pass (launching takes the host as long as a small model's pass
+        takes the GPU), then its sampling is launched.
+        """
         self._in_flight = step
         try:
-            self.runner.launch(*step.outputs())
+            if not step.constrained:
+                self.runner.launch(*step.outputs())
+                return
+            grammars = [None if r.finished else r.grammar for r in step.sampled]  # finished while it was built
+            bitmask = self.grammars.bitmask_meanwhile(grammars)
+            try:
+                self.runner.launch(step.logits)
+            finally:
+                futures.wait([bitmask])  # no later step touches the matchers while they make masks
+            self._sample(step, self.grammars.allowed(bitmask.result(), step.logits.shape[-1]))
+            mx.async_eval(*step.outputs())
         except Exception as e:
-            raise _DeviceFailure() from e
+            raise _LaunchedStepFailed() from e
 
     def _wait(self, launched: _Built) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Wait for a launched step to end; its sampled tokens, and their log-probabilities by row for the
@@ -493,7 +522,7 @@ class Engine:
                 tokens = launched.tokens.tolist() if launched.sampled else []
                 return tokens, self._read_logprobs(launched, tokens)
             except Exception as e:
-                raise _DeviceFailure() from e
+                raise _LaunchedStepFailed() from e
 
     @staticmethod
     def _read_logprobs(launched: _Built, tokens: list[int]) -> dict[int, TokenLogprob]:
@@ -534,8 +563,6 @@ class Engine:
         """
         running, sampled = self.scheduler.running, launched.sampled
         if self.scheduler.waiting or not sampled or len(running) != len(sampled):
-            return False
-        if any(r.grammar is not None for r in sampled):  # its next mask follows the token being computed
             return False
         if len(sampled) > self.scheduler.max_num_batched_tokens or set(map(id, running)) != set(map(id, sampled)):
             return False
