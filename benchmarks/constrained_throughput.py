@@ -1,10 +1,10 @@
 """What JSON-schema constrained decoding costs the engine: every request constrained against none, one process.
 
-    PYTHONPATH=. python3 benchmarks/constrained_throughput.py [--model smollm2 | --random qwen3-0.6b]
+    PYTHONPATH=. python3 benchmarks/constrained_throughput.py [--random qwen3-0.6b | qwen3-8b]
                                                               [--concurrency 16 64] [--new-tokens 64]
 
-The model is SmolLM2-135M (the default, for the CPU) or a random-weight Qwen3-0.6B-shaped one (for a GPU)
-with SmolLM2's tokenizer (its vocabulary, 49,152). Each request asks for a list of people (an array of
+The model is SmolLM2-135M (the default, for the CPU) or a random-weight Qwen3-0.6B- or Qwen3-8B-shaped one (for
+a GPU) with SmolLM2's tokenizer (its vocabulary, 49,152). Each request asks for a list of people (an array of
 objects with a bounded name, an integer age and an enum), at least 100 of them, so the grammar keeps every
 request going for exactly ``--new-tokens`` tokens; the free requests ignore EOS, so both generate the same
 number of tokens and only time differs. The two are run in alternation after a warm-up, ``--rounds``
@@ -41,11 +41,16 @@ PEOPLE = {
         "required": ["name", "age", "role"],
     },
 }
-QWEN3_0_6B = dict(
-    model_type="qwen3", hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
-    num_key_value_heads=8, head_dim=128, vocab_size=49152, rope_theta=1_000_000.0, max_position_embeddings=40960,
-    rms_norm_eps=1e-6, tie_word_embeddings=True,
+QWEN3 = dict(
+    model_type="qwen3", head_dim=128, vocab_size=49152, rope_theta=1_000_000.0, max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
 )  # fmt: skip
+SHAPES = {
+    "qwen3-0.6b": dict(QWEN3, hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                       num_key_value_heads=8, tie_word_embeddings=True),
+    "qwen3-8b": dict(QWEN3, hidden_size=4096, num_hidden_layers=36, intermediate_size=12288, num_attention_heads=32,
+                     num_key_value_heads=8, tie_word_embeddings=False),
+}  # fmt: skip
 
 
 def load(args):
@@ -54,7 +59,7 @@ def load(args):
     folder = Path(args.tokenizer_dir) if args.tokenizer_dir else smollm2_dir()
     if args.random is None:
         return load_model(str(folder))
-    model = qwen3.Model(qwen3.ModelArgs.from_dict(QWEN3_0_6B))
+    model = qwen3.Model(qwen3.ModelArgs.from_dict(SHAPES[args.random]))
     model.set_dtype(mx.bfloat16)
     mx.eval(model.parameters())
     return model, load_tokenizer(folder)
@@ -76,7 +81,7 @@ def timed(owner, name: str) -> list[float]:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--random", choices=["qwen3-0.6b"], help="a random-weight model of this shape")
+    parser.add_argument("--random", choices=list(SHAPES), help="a random-weight model of this shape")
     parser.add_argument("--tokenizer-dir", help="SmolLM2's folder (default: the test cache)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[16, 64])
     parser.add_argument("--new-tokens", type=int, default=64)

@@ -83,10 +83,16 @@ def test_a_schema_compiles_once_and_each_request_gets_its_own_matcher(tokenizer,
     start = grammars.bitmask([second])
     assert first.consume_token(tokenizer.encode("{", add_special_tokens=False)[0])
     assert (grammars.bitmask([second]) == start).all() and not (grammars.bitmask([first]) == start).all()
+    answer_first = {"type": "object", "properties": {"answer": {"type": "integer"}, "reason": {"type": "string"}},
+                    "required": ["answer", "reason"]}  # fmt: skip
+    reason_first = dict(answer_first, properties=dict(reversed(answer_first["properties"].items())))
+    grammars.matcher(answer_first)
+    matcher = grammars.matcher(reason_first)  # the properties in their own order, not the first schema's
+    assert all(matcher.consume_token(t) for t in tokenizer.encode('{"reason', add_special_tokens=False))
     monkeypatch.setattr(grammar_module, "COMPILED_SCHEMAS", 2)
     for schema in SCHEMAS[1:3] + SCHEMAS[:1]:
         grammars.matcher(schema)
-    assert compiles.calls == 4  # the first schema was the oldest of three
+    assert compiles.calls == 6  # the first schema was the oldest of three
 
 
 @pytest.fixture(scope="module")
@@ -129,11 +135,13 @@ def test_constrained_steps_run_ahead_and_a_failure_making_masks_loses_nothing(ti
     assert ahead.calls > 10
     assert all(valid(tokenizer.decode(t), s) for t, (s, _) in zip(expected, BOUNDED))
 
-    for stage in ("bitmask", "allowed"):  # on the grammars' thread, then on the engine's
+    # On the grammars' thread, on the engine's, and Ctrl-C (unheld) while the forward pass is launched.
+    for stage, error in (("bitmask", Fault), ("allowed", Fault), ("launch", KeyboardInterrupt)):
         engine = Engine(tiny, tokenizer, block_size=16, num_blocks=64)
-        masks = Injector(monkeypatch, engine.grammars, stage, [2, 9, 30], Fault)
-        assert run_through_faults(engine, prompts, params) == expected
-        assert masks.failures == 3 and engine.stats()["free_blocks"] == 63
+        owner = engine.runner if stage == "launch" else engine.grammars
+        fault = Injector(monkeypatch, owner, stage, [2, 9, 30], error)
+        assert run_through_faults(engine, prompts, params, (error,)) == expected
+        assert fault.failures == 3 and engine.stats()["free_blocks"] == 63
 
 
 def test_sampled_constrained_requests_fit_their_schemas(tiny, tokenizer):
@@ -151,6 +159,7 @@ def test_sampled_constrained_requests_fit_their_schemas(tiny, tokenizer):
         ({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, ["invalid JSON schema"]),
         ({"type": "string", "pattern": "(unclosed"}, ["invalid JSON schema"]),
         ({"$ref": "#"}, ["invalid JSON schema"]),  # a cycle: seen only once the first mask is made
+        ({"enum": {1, 2}}, ["invalid JSON schema", "not JSON serializable"]),
     ],
 )
 def test_a_schema_that_is_no_grammar_is_refused_and_nothing_is_kept(tiny, tokenizer, schema, words):

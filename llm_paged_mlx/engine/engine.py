@@ -503,9 +503,9 @@ class Engine:
                 self.runner.launch(step.logits)
             finally:
                 futures.wait([bitmask])  # no later step touches the matchers while they make masks
-            self._sample(step, self.grammars.allowed(bitmask.result(), step.logits.shape[-1]))
+            self._sample(step, self.grammars.allowed(bitmask.result(), grammars, step.logits.shape[-1]))
             mx.async_eval(*step.outputs())
-        except Exception as e:
+        except BaseException as e:  # Ctrl-C too: a step launched in part is not one to wait for
             raise _LaunchedStepFailed() from e
 
     def _wait(self, launched: _Built) -> tuple[list[int], dict[int, TokenLogprob]]:

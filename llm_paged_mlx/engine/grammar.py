@@ -32,7 +32,7 @@ import numpy as np
 LAYOUT = {"whitespace_flexible": True, "whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,32}"}
 
 # llguidance's threads for one step's masks: past eight they cost more than they give (benchmarks/RESULTS.md).
-MASK_THREADS = min(8, os.cpu_count() or 1)
+MASK_THREADS = min(8, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
 
 # Schemas kept compiled (a compiled schema is small): a server's clients tend to send the same few.
 COMPILED_SCHEMAS = 256
@@ -57,7 +57,10 @@ class Grammars:
     def matcher(self, schema: dict) -> llguidance.LLMatcher:
         """A matcher at the start of ``schema``; ``JsonSchemaError`` if it is not one llguidance takes. The
         last ``COMPILED_SCHEMAS`` schemas are kept compiled: a request with one of them gets a copy."""
-        key = json.dumps(schema, sort_keys=True)
+        try:
+            key = json.dumps(schema)  # the order of properties is the order the output takes
+        except (ValueError, TypeError) as e:
+            raise JsonSchemaError(f"invalid JSON schema: {e}") from None
         start = self._compiled.pop(key, None) or self._compile(schema)
         self._compiled[key] = start
         while len(self._compiled) > COMPILED_SCHEMAS:
@@ -102,14 +105,14 @@ class Grammars:
         return self._worker.submit(self.bitmask, matchers)
 
     @staticmethod
-    def allowed(bitmask: np.ndarray, vocab_size: int) -> mx.array:
-        """``bitmask`` as ``(rows, vocab_size)`` booleans (lazy); past the tokenizer's vocabulary, only the
-        rows that allow everything allow any token."""
+    def allowed(bitmask: np.ndarray, matchers: list[Optional[llguidance.LLMatcher]], vocab_size: int) -> mx.array:
+        """``bitmask(matchers)`` as ``(rows, vocab_size)`` booleans (lazy); past the tokenizer's vocabulary,
+        only the rows without a matcher allow any token."""
         words = bitmask.shape[1]
         wanted = -(-vocab_size // 32)
         if wanted > words:
-            every = np.all(bitmask == -1, axis=1, keepdims=True)
-            bitmask = np.concatenate([bitmask, np.where(every, -1, 0).astype(np.int32).repeat(wanted - words, 1)], 1)
+            free = np.array([[matcher is None] for matcher in matchers])
+            bitmask = np.concatenate([bitmask, np.where(free, -1, 0).astype(np.int32).repeat(wanted - words, 1)], 1)
         return _unpack(mx.array(bitmask))[:, :vocab_size]
 
 
