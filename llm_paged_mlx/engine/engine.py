@@ -28,6 +28,7 @@ from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups, projects_sampled_rows_only
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .tensor_parallel import rank_zero_tokens, shard_model, smallest_of_ranks
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_KV_BUDGET = 2 * 1024**3
@@ -108,6 +109,15 @@ class Engine:
     K/V, or computed again with them. Prefix caching and its disk tier are off
     for them (a state is not kept per block): ``stats()`` says so.
 
+    ``tensor_parallel``, a group of processes from ``mx.distributed.init()``,
+    shards the model over them with mlx-lm's ``Model.shard`` (see
+    ``engine.tensor_parallel``): every rank runs this same engine on the same
+    requests in the same order (as one program launched with ``mlx.launch``),
+    holds the K/V of its own heads, and gets rank 0's sampled tokens. The disk
+    tier, the ``priority`` scheduler and swap policies that may decide
+    differently on each rank are refused; ``swap_policy`` ``"auto"`` means
+    ``"recompute"`` there, and an ``"auto"`` budget is the smallest rank's.
+
     Models with sliding-window layers keep a block table per group of layers
     (``engine.kv_groups``): a windowed group returns the blocks its window has
     passed. The disk tier is off for them (it keeps one table per prompt).
@@ -134,9 +144,23 @@ class Engine:
         compile_steps: bool = True,
         verify_model: bool = True,
         verdict_file=None,
+        tensor_parallel: Optional[mx.distributed.Group] = None,
     ):
         if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        self.group = tensor_parallel if tensor_parallel is not None and tensor_parallel.size() > 1 else None
+        if self.group is not None:  # every rank must decide as the others do
+            if kv_disk_cache is not None:
+                raise ValueError("kv_disk_cache: the disk tier is not shared by the ranks of a tensor-parallel engine")
+            if scheduler == "priority":
+                raise ValueError("scheduler 'priority' ages requests by each rank's own clock: use 'fcfs' with "
+                                 "tensor_parallel")  # fmt: skip
+            swap_policy = "recompute" if swap_policy == "auto" else swap_policy
+            if swap_policy not in ("recompute", "cpu"):
+                raise ValueError(f"swap_policy {swap_policy!r} may decide differently on each rank: use 'recompute' "
+                                 "or 'cpu' with tensor_parallel")  # fmt: skip
+            verdict_file = None  # each rank checks the model, and so takes part in the check's collectives
+            shard_model(model, self.group)
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
         self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(attention_kernel)
@@ -227,10 +251,11 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
-        """Load a local folder or Hugging Face repo with ``models.loading.load_model``."""
+        """Load a local folder or Hugging Face repo with ``models.loading.load_model`` (with
+        ``tensor_parallel``, the weights are read as they are sharded: each rank holds only its shard)."""
         from ..models.loading import load_model
 
-        model, tokenizer = load_model(path_or_repo)
+        model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
         return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
 
     def _budget(self, budget, fraction: float, max_num_seqs: int, max_num_batched_tokens: int) -> int:
@@ -243,7 +268,10 @@ class Engine:
             return budget
         mx.eval(self.model.parameters())  # the weights count as memory in use
         logit_rows = max_num_seqs if projects_sampled_rows_only(self.model) else max_num_batched_tokens
-        return auto_kv_budget(step_reserve(self.model, max_num_batched_tokens, logit_rows), fraction)
+        budget = auto_kv_budget(step_reserve(self.model, max_num_batched_tokens, logit_rows), fraction)
+        if self.group is not None:  # the pools must hold as many blocks on every rank
+            budget = smallest_of_ranks(budget >> 20, self.group) << 20
+        return budget
 
     # -- requests ---------------------------------------------------------------
 
@@ -481,6 +509,8 @@ class Engine:
 
     def _sample(self, step: _Built, allowed: Optional[mx.array] = None) -> None:
         step.tokens = sample(step.logits, step.sampled, allowed)
+        if self.group is not None:
+            step.tokens = rank_zero_tokens(step.tokens, self.group)
         step.logprobs = logprobs(step.logits, step.tokens, step.sampled)
         step.logits = None
 

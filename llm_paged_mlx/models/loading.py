@@ -22,21 +22,22 @@ class ModelFetchError(RuntimeError):
     """A model could not be downloaded (no network, unknown repo, failed package download)."""
 
 
-def load_model(path_or_repo: str, *, dequantize: str | bool = "auto", dtype="float32"):
+def load_model(path_or_repo: str, *, dequantize: str | bool = "auto", dtype="float32", lazy: bool = False):
     """Load `(model, tokenizer)` from a local mlx-lm folder or a Hugging Face repo id.
 
     dequantize="auto" replaces quantized layers by float layers of `dtype` when the default
     device is the CPU; True always does, False never does. `dtype` is "float32" (default),
     "float16" or "bfloat16" (which changes SmolLM2-135M's greedy answers). Raises ValueError
     for a folder without config.json or an architecture mlx-lm does not support, and
-    ModelFetchError when a repo cannot be downloaded.
+    ModelFetchError when a repo cannot be downloaded. ``lazy`` leaves the weights unread until
+    they are evaluated (a model sharded first reads only its shard).
     """
     if dequantize not in ("auto", True, False):
         raise ValueError(f"dequantize must be 'auto', True or False, not {dequantize!r}")
     dtype = _as_dtype(dtype)
     path = resolve_model_path(path_or_repo)
     try:
-        model, tokenizer = mlx_lm.load(str(path))
+        model, tokenizer = mlx_lm.load(str(path), lazy=lazy)
     except ValueError as e:
         raise ValueError(f"Cannot load model {path_or_repo}: {e}") from e
     if dequantize is True or (dequantize == "auto" and mx.default_device() == mx.cpu):

@@ -1,0 +1,102 @@
+"""Test helper: one rank of a tensor-parallel engine run (started by tests/test_tensor_parallel.py).
+
+    MLX_RANK=r MLX_HOSTFILE=hosts.json python tensor_parallel_rank.py CASE ARCH OUT
+
+Every rank runs this same program, as ``mlx.launch`` would start it. It writes
+what its engine gave (or the error it refused with) as JSON to ``OUT``.
+"""
+
+import json
+import os
+import sys
+
+import mlx.core as mx
+from models import tiny_model
+from smollm2 import smollm2_dir
+from test_engine import random_prompts
+from test_engine_smollm2 import chat
+
+from llm_paged_mlx import Engine, SamplingParams
+
+LENGTHS = [40, 300, 120, 7, 64, 200]
+SHARED = 48  # the first prompt's tokens that a later prompt starts with
+MAX_TOKENS = 40
+
+
+def requests():
+    """Prompts (one repeats another's start, for the prefix cache) and their params: greedy, and sampled
+    without a seed (each rank would draw its own tokens)."""
+    prompts = random_prompts(LENGTHS)
+    prompts.append(prompts[1][:SHARED] + prompts[0])
+    params = [SamplingParams(max_tokens=MAX_TOKENS)] * len(prompts)
+    params[2] = params[4] = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0)
+    return prompts, params
+
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "Why is the sky blue?"]
+SMOLLM2_TOKENS = 24
+
+
+def smollm2(group, arch: str) -> dict:
+    """SmolLM2's greedy answers, its 9 query and 3 KV heads sharded over the group (``arch``: unused)."""
+    engine = Engine.from_pretrained(str(smollm2_dir()), tensor_parallel=group, kv_budget_bytes=64 << 20)
+    prompts = [chat(engine.tokenizer, q) for q in QUESTIONS]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=SMOLLM2_TOKENS))
+    return {"tokens": [o.token_ids for o in outputs], "kv_heads": int(engine.model.layers[0].self_attn.n_kv_heads)}
+
+
+def tiny(group, arch: str) -> dict:
+    """A tiny model's tokens for ``requests()``, on a pool small enough to preempt."""
+    model = tiny_model(arch)  # the same weights on every rank (it seeds MLX's generator)
+    mx.random.seed(1000 + group.rank())  # then each rank its own draws, as separate processes have
+    engine = Engine(model, num_blocks=40, max_num_batched_tokens=64, swap_policy="cpu", tensor_parallel=group)
+    prompts, params = requests()
+    outputs = engine.generate(prompts, params)
+    stats = engine.stats()
+    return {
+        "tokens": [o.token_ids for o in outputs],
+        "kv_heads": int(model.layers[0].self_attn.n_kv_heads),
+        **{key: stats[key] for key in ("preemptions", "prefix_cache_hit_tokens", "free_blocks", "num_blocks")},
+    }
+
+
+def refused(group, arch: str) -> dict:
+    """The errors of engines that cannot be tensor-parallel."""
+    errors = []
+    for overrides, options in [
+        ({"num_attention_heads": 6, "num_key_value_heads": 3}, {}),
+        ({}, {"scheduler": "priority"}),
+        ({}, {"swap_policy": "disk"}),
+    ]:
+        try:
+            Engine(tiny_model(arch, **overrides), num_blocks=40, tensor_parallel=group, **options)
+        except ValueError as e:
+            errors.append(str(e))
+    return {"errors": errors}
+
+
+def dies(group, arch: str) -> dict:
+    """The last rank dies after a few steps; the others' error."""
+    engine = Engine(tiny_model(arch), num_blocks=40, tensor_parallel=group)
+    prompts, params = requests()
+    for prompt, p in zip(prompts, params):
+        engine.add_request(prompt, p)
+    try:
+        for step in range(1000):
+            if step == 5 and group.rank() == group.size() - 1:
+                os._exit(3)
+            engine.step()
+    except RuntimeError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def main(case: str, arch: str, out: str):
+    group = mx.distributed.init(strict=True, backend="ring")
+    result = {"smollm2": smollm2, "tiny": tiny, "refused": refused, "dies": dies}[case](group, arch)
+    with open(out, "w") as f:
+        json.dump({"rank": group.rank(), **result}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
