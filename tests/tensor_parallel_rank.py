@@ -62,14 +62,19 @@ def tiny(group, arch: str) -> dict:
 
 def refused(group, arch: str) -> dict:
     """The errors of engines that cannot be tensor-parallel."""
+    sharded = tiny_model(arch)
+    sharded.shard(group)
     errors = []
-    for overrides, options in [
-        ({"num_attention_heads": 6, "num_key_value_heads": 3}, {}),
-        ({}, {"scheduler": "priority"}),
-        ({}, {"swap_policy": "disk"}),
+    for model, options in [
+        (tiny_model(arch, num_attention_heads=6, num_key_value_heads=3), {}),
+        (tiny_model(arch), {"scheduler": "priority"}),
+        (tiny_model(arch), {"swap_policy": "disk"}),
+        (tiny_model(arch), {"num_blocks": 40 + group.rank()}),
+        (sharded, {}),
+        (sharded, {"tensor_parallel": None}),
     ]:
         try:
-            Engine(tiny_model(arch, **overrides), num_blocks=40, tensor_parallel=group, **options)
+            Engine(model, **{"num_blocks": 40, "tensor_parallel": group, **options})
         except ValueError as e:
             errors.append(str(e))
     return {"errors": errors}
@@ -87,7 +92,10 @@ def dies(group, arch: str) -> dict:
                 os._exit(3)
             engine.step()
     except RuntimeError as e:
-        return {"error": str(e)}
+        try:  # and so do the steps after
+            engine.step()
+        except RuntimeError as again:
+            return {"error": str(e), "again": str(again)}
     return {"error": None}
 
 

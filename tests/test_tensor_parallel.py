@@ -81,12 +81,15 @@ def test_what_cannot_be_split_or_would_decide_differently_on_each_rank_is_refuse
             "llama: its 3 key value heads do not divide over 2 devices",
             "scheduler 'priority' ages requests by each rank's own clock: use 'fcfs' with tensor_parallel",
             "swap_policy 'disk' may decide differently on each rank: use 'recompute' or 'cpu' with tensor_parallel",
-        ]
+            "the ranks of a tensor-parallel engine were given different options: every rank must build the same engine",
+        ] + ["the model is already sharded over devices: give the unsharded model with tensor_parallel=group, which "
+             "shards it"] * 2  # fmt: skip
 
 
 def test_a_rank_that_dies_ends_the_others_steps_with_an_error_not_a_hang(tmp_path):
     (survivor,) = run_ranks(tmp_path, "dies", "llama")
-    assert "connection to a peer was lost" in survivor["error"]
+    assert "connection to a peer was lost" in survivor["error"] and "out of step" in survivor["error"]
+    assert survivor["again"] == survivor["error"]
 
 
 def test_smollm2_over_three_ranks_answers_as_one_process(tmp_path):

@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional, Sequence, Union
 import mlx.core as mx
 
 from .. import plugins
+from ..errors import one_line
 from ..kernels import select_kernel
 from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
@@ -28,7 +29,14 @@ from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups, projects_sampled_rows_only
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
-from .tensor_parallel import rank_zero_tokens, shard_model, smallest_of_ranks
+from .tensor_parallel import (
+    check_same_options,
+    is_sharded,
+    rank_zero_tokens,
+    ranks_on_this_machine,
+    shard_model,
+    smallest_of_ranks,
+)
 
 Prompt = Union[str, Sequence[int]]
 DEFAULT_KV_BUDGET = 2 * 1024**3
@@ -116,7 +124,11 @@ class Engine:
     holds the K/V of its own heads, and gets rank 0's sampled tokens. The disk
     tier, the ``priority`` scheduler and swap policies that may decide
     differently on each rank are refused; ``swap_policy`` ``"auto"`` means
-    ``"recompute"`` there, and an ``"auto"`` budget is the smallest rank's.
+    ``"recompute"`` there, and an ``"auto"`` budget is the smallest rank's
+    (divided among the ranks that share a machine's memory). A launched step
+    that fails on a rank (a peer that died, say) leaves the ranks out of step:
+    the engine raises that error at every later step, rather than compute
+    again alone.
 
     Models with sliding-window layers keep a block table per group of layers
     (``engine.kv_groups``): a windowed group returns the blocks its window has
@@ -149,6 +161,9 @@ class Engine:
         if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.group = tensor_parallel if tensor_parallel is not None and tensor_parallel.size() > 1 else None
+        if is_sharded(model):
+            raise ValueError("the model is already sharded over devices: give the unsharded model with "
+                             "tensor_parallel=group, which shards it")  # fmt: skip
         if self.group is not None:  # every rank must decide as the others do
             if kv_disk_cache is not None:
                 raise ValueError("kv_disk_cache: the disk tier is not shared by the ranks of a tensor-parallel engine")
@@ -160,7 +175,6 @@ class Engine:
                 raise ValueError(f"swap_policy {swap_policy!r} may decide differently on each rank: use 'recompute' "
                                  "or 'cpu' with tensor_parallel")  # fmt: skip
             verdict_file = None  # each rank checks the model, and so takes part in the check's collectives
-            shard_model(model, self.group)
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
         self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(attention_kernel)
@@ -168,6 +182,16 @@ class Engine:
             raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
+        if self.group is not None:
+            options = dict(
+                block_size=block_size, num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes,
+                memory_fraction=memory_fraction, kv_bits=kv_bits, kv_group_size=kv_group_size,
+                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler,
+                attention_kernel=attention_kernel, enable_prefix_caching=enable_prefix_caching,
+                swap_policy=swap_policy, compile_steps=compile_steps, verify_model=verify_model,
+            )  # fmt: skip
+            check_same_options(options, self.group)
+            shard_model(model, self.group)
         all_layouts = check_model(model)
         layouts = [layout for layout in all_layouts if isinstance(layout, LayerLayout)]
         state_layouts = [layout for layout in all_layouts if isinstance(layout, StateLayout)]
@@ -244,6 +268,7 @@ class Engine:
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
         self._in_flight: Optional[_Built] = None  # a step launched on the device, its tokens not yet read
+        self._out_of_step: Optional[RuntimeError] = None  # a tensor-parallel rank whose launched step failed
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
         self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
         self._ids = itertools.count()
@@ -270,6 +295,8 @@ class Engine:
         logit_rows = max_num_seqs if projects_sampled_rows_only(self.model) else max_num_batched_tokens
         budget = auto_kv_budget(step_reserve(self.model, max_num_batched_tokens, logit_rows), fraction)
         if self.group is not None:  # the pools must hold as many blocks on every rank
+            if mx.default_device() == mx.cpu or mx.metal.is_available():  # ranks on one machine share its memory
+                budget //= ranks_on_this_machine(self.group)
             budget = smallest_of_ranks(budget >> 20, self.group) << 20
         return budget
 
@@ -364,6 +391,8 @@ class Engine:
         return chunks
 
     def _step(self) -> None:
+        if self._out_of_step is not None:
+            raise self._out_of_step
         try:
             launched = self._in_flight
             if launched is not None:
@@ -378,6 +407,12 @@ class Engine:
             if built is not None:
                 self._launch(built)
         except _LaunchedStepFailed as failure:
+            if self.group is not None:  # the other ranks went on with that step: this one cannot redo it alone
+                self._out_of_step = RuntimeError(
+                    f"a step of this tensor-parallel engine failed ({one_line(failure.__cause__)}); its ranks are "
+                    "out of step, so it takes no more"
+                )
+                raise self._out_of_step from failure.__cause__
             self._start_over()
             raise failure.__cause__
 

@@ -6,28 +6,64 @@ heads) and of the MLP, and the layers sum their outputs over the group. Every
 rank runs the same engine on the same requests in the same order, so their
 schedulers make the same decisions; what could differ between ranks is agreed
 here: the tokens a step samples (rank 0's) and an ``"auto"`` KV budget (the
-smallest).
+smallest, shared by the ranks on one machine when they share its memory). The
+engines' options are compared when they are built; the requests are not
+(every rank must submit the same ones).
 """
 
+import hashlib
+import socket
+
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..models.paged_cache import architecture, model_config
 
 
+SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
+
+
+def is_sharded(model) -> bool:
+    """Whether ``model`` has layers sharded over a group (by ``Model.shard``)."""
+    return any(isinstance(module, SHARDED) for _, module in model.named_modules())
+
+
 def shard_model(model, group: mx.distributed.Group) -> None:
-    """Shard ``model`` in place over ``group``; ValueError if mlx-lm cannot shard its architecture or its heads
-    do not divide by the group's size."""
+    """Shard ``model`` in place over ``group``; ValueError if mlx-lm cannot shard it: its architecture has no
+    ``shard()``, its heads (or other sizes) do not divide by the group's size."""
     size, name = group.size(), architecture(model)
     if not hasattr(model, "shard"):
         raise ValueError(f"{name}: mlx-lm cannot shard this architecture over devices (its model has no shard())")
     config = model_config(model)
-    for field in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, field, None)
-        if heads is not None and heads % size:
-            raise ValueError(f"{name}: its {heads} {field.replace('num_', '').replace('_', ' ')} do not divide "
-                             f"over {size} devices")  # fmt: skip
-    model.shard(group)
+    for config in (config, getattr(config, "text_config", None)):
+        for field in ("num_attention_heads", "num_key_value_heads"):
+            heads = config.get(field) if isinstance(config, dict) else getattr(config, field, None)
+            if isinstance(heads, int) and heads % size:
+                raise ValueError(f"{name}: its {heads} {field.replace('num_', '').replace('_', ' ')} do not divide "
+                                 f"over {size} devices")  # fmt: skip
+    try:
+        model.shard(group)
+    except (ValueError, AssertionError, AttributeError) as e:  # sizes mlx-lm checks as it goes, or its own bugs
+        raise ValueError(f"{name}: mlx-lm cannot shard it over {size} devices ({e}); the model is left "
+                         "partly sharded")  # fmt: skip
     mx.eval(model.parameters())
+
+
+def check_same_options(options: dict, group: mx.distributed.Group) -> None:
+    """ValueError unless every rank's engine was given the same ``options`` (their ``repr``): ranks that
+    decide differently would wait on each other for good."""
+    digest = int.from_bytes(hashlib.sha256(repr(sorted(options.items())).encode()).digest()[:3], "little")
+    digests = mx.zeros(group.size(), dtype=mx.int32).at[group.rank()].add(digest)
+    if len(set(mx.distributed.all_sum(digests, group=group).tolist())) > 1:
+        raise ValueError("the ranks of a tensor-parallel engine were given different options: every rank must "
+                         "build the same engine")  # fmt: skip
+
+
+def ranks_on_this_machine(group: mx.distributed.Group) -> int:
+    """How many of the group's ranks run on this machine (its host name)."""
+    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:3], "little")
+    hosts = mx.zeros(group.size(), dtype=mx.int32).at[group.rank()].add(host)
+    return mx.distributed.all_sum(hosts, group=group).tolist().count(host)
 
 
 def rank_zero_tokens(tokens: mx.array, group: mx.distributed.Group) -> mx.array:
