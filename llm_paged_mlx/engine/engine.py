@@ -31,11 +31,11 @@ from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
 from .tensor_parallel import (
     check_same_options,
+    every_rank,
     is_sharded,
     rank_zero_tokens,
     ranks_on_this_machine,
     shard_model,
-    smallest_of_ranks,
 )
 
 Prompt = Union[str, Sequence[int]]
@@ -297,7 +297,7 @@ class Engine:
         if self.group is not None:  # the pools must hold as many blocks on every rank
             if mx.default_device() == mx.cpu or mx.metal.is_available():  # ranks on one machine share its memory
                 budget //= ranks_on_this_machine(self.group)
-            budget = smallest_of_ranks(budget >> 20, self.group) << 20
+            budget = min(every_rank(budget >> 20, self.group)) << 20  # in MiB: it travels as an int32
         return budget
 
     # -- requests ---------------------------------------------------------------

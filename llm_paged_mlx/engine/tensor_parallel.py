@@ -52,18 +52,15 @@ def shard_model(model, group: mx.distributed.Group) -> None:
 def check_same_options(options: dict, group: mx.distributed.Group) -> None:
     """ValueError unless every rank's engine was given the same ``options`` (their ``repr``): ranks that
     decide differently would wait on each other for good."""
-    digest = int.from_bytes(hashlib.sha256(repr(sorted(options.items())).encode()).digest()[:3], "little")
-    digests = mx.zeros(group.size(), dtype=mx.int32).at[group.rank()].add(digest)
-    if len(set(mx.distributed.all_sum(digests, group=group).tolist())) > 1:
+    if len(set(every_rank(_digest(repr(sorted(options.items()))), group))) > 1:
         raise ValueError("the ranks of a tensor-parallel engine were given different options: every rank must "
                          "build the same engine")  # fmt: skip
 
 
 def ranks_on_this_machine(group: mx.distributed.Group) -> int:
     """How many of the group's ranks run on this machine (its host name)."""
-    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:3], "little")
-    hosts = mx.zeros(group.size(), dtype=mx.int32).at[group.rank()].add(host)
-    return mx.distributed.all_sum(hosts, group=group).tolist().count(host)
+    host = _digest(socket.gethostname())
+    return every_rank(host, group).count(host)
 
 
 def rank_zero_tokens(tokens: mx.array, group: mx.distributed.Group) -> mx.array:
@@ -72,7 +69,12 @@ def rank_zero_tokens(tokens: mx.array, group: mx.distributed.Group) -> mx.array:
     return mx.distributed.all_sum(mine, group=group).astype(tokens.dtype)
 
 
-def smallest_of_ranks(value: int, group: mx.distributed.Group) -> int:
-    """The smallest of every rank's ``value`` (a count of MiB or fewer: it travels as int32)."""
+def every_rank(value: int, group: mx.distributed.Group) -> list[int]:
+    """Each rank's ``value`` (an int32), in rank order, on every rank."""
     values = mx.zeros(group.size(), dtype=mx.int32).at[group.rank()].add(value)
-    return int(mx.distributed.all_sum(values, group=group).min().item())
+    return mx.distributed.all_sum(values, group=group).tolist()
+
+
+def _digest(text: str) -> int:
+    """24 bits of ``text``'s SHA-256: an int32 to compare across ranks."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:3], "little")
