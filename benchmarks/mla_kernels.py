@@ -9,10 +9,12 @@ at random. For 8 and 64 sequences at 4K, 32K and 128K context, timed in alternat
 - ``mlx-lm``: mlx-lm's own absorbed decode over a contiguous cache (``deepseek_v3``'s code path:
   RoPE scores ``(q_pe * scale) @ k_pe.T`` as the mask of ``scaled_dot_product_attention`` over the
   latent as keys and values), the baseline;
-- ``paged``: ``latent_attention`` of the kernel the engine picks (``auto``) over the paged pool.
+- ``portable``: ``latent_attention`` of the portable kernel over the paged pool;
+- ``fused``: ``latent_attention`` of the kernel the engine picks (``auto``) over the paged pool.
 
-"TB/s" is the bytes of latent rows (latent + RoPE) a call reads over its time, against ``x * 2`` copy bandwidth (read +
-written). First, the paged path is checked against mlx-lm's in float32, per dtype.
+"TB/s" is the bytes of latent rows (latent + RoPE) a call reads over its time, against ``x * 2`` copy
+bandwidth (read + written). First, both paged paths are checked against mlx-lm's in float32, per dtype.
+``--sweep`` times the fused kernel's partition sizes and simd groups per threadgroup on one case.
 """
 
 import argparse
@@ -25,6 +27,7 @@ import mlx.core as mx
 from h200_kernels import copy_bandwidth  # this folder
 
 from llm_paged_mlx.kernels import AttentionPlan, select_kernel
+from llm_paged_mlx.kernels.portable import PortableKernel
 
 HEADS, LATENT, ROPE, BLOCK = 128, 512, 64, 16
 DTYPE = mx.bfloat16
@@ -32,16 +35,22 @@ SCALE = 192**-0.5  # DeepSeek-V3: 1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)
 
 
 def make_case(batch, context, dtype=DTYPE, seed=0):
-    """A scattered latent pool, its plan, the same rows laid out contiguously, and queries."""
+    """A scattered latent pool, its plan, the same rows laid out contiguously, and queries. Built a
+    piece at a time: MLX's CUDA backend does not launch random draws or gathers of 2^32 values."""
     mx.random.seed(seed)
     width = context // BLOCK
     num_blocks = batch * width + 1
-    pool = mx.random.normal((num_blocks, 1, BLOCK, LATENT + ROPE)).astype(dtype)
+    pieces = -(-num_blocks // (1 << 17))  # 2^17 blocks of 16 rows of 576 values: 1.2e9 values
+    pool = mx.concatenate([
+        mx.random.normal((len(ids), 1, BLOCK, LATENT + ROPE)).astype(dtype)
+        for ids in (range(num_blocks)[i::pieces] for i in range(pieces))
+    ])  # fmt: skip
     tables = (mx.random.permutation(num_blocks - 1) + 1).reshape(batch, width).astype(mx.int32)
     lens = mx.full((batch,), context, mx.int32)
     plan = AttentionPlan(BLOCK, lens - 1, lens - 1, batch, tables, lens)
-    rows = pool[tables].reshape(batch, 1, context, LATENT + ROPE)  # (B, 1, L, R + P)
-    latent, k_pe = mx.contiguous(rows[..., :LATENT]), mx.contiguous(rows[..., LATENT:])
+    rows = [pool[tables[b]].reshape(1, 1, context, LATENT + ROPE) for b in range(batch)]  # (1, 1, L, R + P)
+    latent = mx.concatenate([r[..., :LATENT] for r in rows])
+    k_pe = mx.concatenate([r[..., LATENT:] for r in rows])
     q_nope = mx.random.normal((batch, HEADS, 1, LATENT)).astype(dtype)
     q_pe = mx.random.normal((batch, HEADS, 1, ROPE)).astype(dtype)
     mx.eval(pool, tables, latent, k_pe, q_nope, q_pe)
@@ -73,53 +82,81 @@ def timed_together(fns, runs):
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def check(kernel):
-    """Max |paged - mlx-lm| / max |mlx-lm| per dtype, mlx-lm's path in float32 over the same values:
-    3 sequences of 700 to 1600 tokens."""
+def check(kernels):
+    """Max |paged - mlx-lm| / max |mlx-lm| per kernel and dtype, mlx-lm's path in float32 over the same
+    values: 3 sequences of 700 to 1600 tokens."""
     errors = {}
     for dtype in (mx.float32, mx.float16, mx.bfloat16):
         pool, plan, latent, k_pe, q_nope, q_pe = make_case(3, 1600, dtype, seed=1)
         lens = [700, 1600, 1033]
         plan.decode_context_lens = mx.array(lens, mx.int32)
-        have = paged(kernel, q_nope, q_pe, pool, plan).astype(mx.float32)
-        worst = 0.0
-        for row, length in enumerate(lens):
-            inputs = (q_nope[row : row + 1], q_pe[row : row + 1], latent[row : row + 1, :, :length], k_pe[row : row + 1, :, :length])
-            want = mlx_lm_absorbed(*(x.astype(mx.float32) for x in inputs))
-            worst = max(worst, (mx.abs(have[row : row + 1] - want).max() / mx.abs(want).max()).item())
-        errors[str(dtype)] = worst
+        for name, kernel in kernels.items():
+            have = paged(kernel, q_nope, q_pe, pool, plan).astype(mx.float32)
+            worst = 0.0
+            for row, length in enumerate(lens):
+                inputs = (q_nope[row : row + 1], q_pe[row : row + 1], latent[row : row + 1, :, :length],
+                          k_pe[row : row + 1, :, :length])  # fmt: skip
+                want = mlx_lm_absorbed(*(x.astype(mx.float32) for x in inputs))
+                worst = max(worst, (mx.abs(have[row : row + 1] - want).max() / mx.abs(want).max()).item())
+            errors[f"{name} {dtype}"] = f"{worst:.1e}"
     return errors
 
 
 def report(rows, bandwidth):
     print(f"\n{datetime.date.today()} {mx.device_info().get('device_name', '')} mlx {mx.__version__}")
-    print("| seqs | context | mlx-lm ms | paged ms | paged / mlx-lm | paged TB/s | of copy |")
-    print("|---:|---:|---:|---:|---:|---:|---:|")
+    print("| seqs | context | mlx-lm ms | portable ms | fused ms | fused / mlx-lm | fused / portable | fused TB/s "
+          "| of copy |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for batch, context, t, tbs in rows:
-        print(f"| {batch} | {context // 1024}K | {t['mlx-lm']:.3f} | {t['paged']:.3f} | "
-              f"{t['paged'] / t['mlx-lm']:.2f}x | {tbs:.2f} | {tbs / bandwidth:.0%} |", flush=True)
+        print(f"| {batch} | {context // 1024}K | {t['mlx-lm']:.3f} | {t['portable']:.3f} | {t['fused']:.3f} | "
+              f"{t['fused'] / t['mlx-lm']:.2f}x | {t['fused'] / t['portable']:.2f}x | {tbs:.2f} | "
+              f"{tbs / bandwidth:.0%} |", flush=True)
+
+
+def sweep(runs):
+    """The fused kernel's partition sizes and simd groups, on 8 sequences of 32K tokens."""
+    pool, plan, latent, k_pe, q_nope, q_pe = make_case(8, 32768)
+    variants = {}
+    for partition_size in (128, 256):
+        for warps in (4, 8):
+            kernel = select_kernel("auto")
+            kernel.latent.partition_size, kernel.latent.warps = partition_size, warps
+            if kernel.latent.usable(DTYPE, pool, HEADS, LATENT):
+                variants[f"part {partition_size}, {warps} simd groups"] = kernel
+    times = timed_together({name: (lambda k=k: paged(k, q_nope, q_pe, pool, plan)) for name, k in variants.items()},
+                           runs)  # fmt: skip
+    for name, ms in times.items():
+        print(f"sweep 8 x 32K: {name}: {ms:.3f} ms", flush=True)
 
 
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
-    kernel = select_kernel("auto")
-    print(f"check ({kernel.name} kernel):", json.dumps(check(kernel)), flush=True)
+    kernels = {"portable": PortableKernel(), "fused": select_kernel("auto")}
+    print(f"check (fused: the {kernels['fused'].name} kernel):", json.dumps(check(kernels)), flush=True)
+    if args.sweep:
+        sweep(args.runs)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth:.2f} TB/s", flush=True)
     cases = [(8, 4096), (64, 4096)] if args.quick else [(b, c) for c in (4096, 32768, 131072) for b in (8, 64)]
     rows = []
     for batch, context in cases:
-        pool, plan, latent, k_pe, q_nope, q_pe = make_case(batch, context)
-        times = timed_together({
-            "mlx-lm": lambda: mlx_lm_absorbed(q_nope, q_pe, latent, k_pe),
-            "paged": lambda: paged(kernel, q_nope, q_pe, pool, plan),
-        }, args.runs)
+        try:
+            pool, plan, latent, k_pe, q_nope, q_pe = make_case(batch, context)
+            times = timed_together({
+                "mlx-lm": lambda: mlx_lm_absorbed(q_nope, q_pe, latent, k_pe),
+                "portable": lambda: paged(kernels["portable"], q_nope, q_pe, pool, plan),
+                "fused": lambda: paged(kernels["fused"], q_nope, q_pe, pool, plan),
+            }, args.runs)  # fmt: skip
+        except Exception as exc:  # report the case and go on to the next
+            print(batch, context, "failed:", exc, flush=True)
+            continue
         print(batch, context, json.dumps(times), flush=True)
         read = batch * context * (LATENT + ROPE) * DTYPE.size
-        rows.append((batch, context, times, read / (times["paged"] * 1e-3) / 1e12))
+        rows.append((batch, context, times, read / (times["fused"] * 1e-3) / 1e12))
         del pool, plan, latent, k_pe, q_nope, q_pe
         mx.clear_cache()  # the next case's arrays are larger: free what this one held, not just reuse it
     report(rows, bandwidth)

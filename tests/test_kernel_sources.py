@@ -7,8 +7,18 @@ import subprocess
 import mlx.core as mx
 import pytest
 
-from llm_paged_mlx.kernels.dialect import CUDA, DIALECTS, METAL, read_template, render, split_kernels
+from llm_paged_mlx.kernels.dialect import (
+    CUDA,
+    DIALECTS,
+    LATENT_TEMPLATE,
+    METAL,
+    TEMPLATE,
+    read_template,
+    render,
+    split_kernels,
+)
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel, kernel_sources
+from llm_paged_mlx.kernels.latent import latent_source
 from llm_paged_mlx.kernels.quantized import QuantizedPool
 
 VARIANTS = [(None, None)] + [(bits, group) for bits in (8, 4) for group in (32, 64, 128)]
@@ -23,37 +33,71 @@ def strip_dialect(body: str, dialect) -> str:
     return body[len(dialect.prelude) :]
 
 
-def test_both_dialects_render_the_same_algorithm():
-    template = read_template()
+@pytest.mark.parametrize("name,tiles", [(TEMPLATE, False), (LATENT_TEMPLATE, True)])
+def test_both_dialects_render_the_same_algorithm(name, tiles):
+    template = read_template(name)
     kernels = split_kernels(template)
-    assert set(kernels) == {"partition", "reduce"}
-    metal, cuda = render(template, METAL), render(template, CUDA)
+    assert set(kernels) == ({"partition"} if tiles else {"partition", "reduce"})
+    metal, cuda = render(template, METAL, tiles=tiles), render(template, CUDA, tiles=tiles)
     for name, algorithm in kernels.items():
         metal_body = strip_dialect(metal[name][1], METAL)
         cuda_body = strip_dialect(cuda[name][1], CUDA)
         assert metal_body == cuda_body == algorithm
         assert metal[name][1] != cuda[name][1]  # the dialects do differ
+        assert (METAL.tiles in metal[name][0]) == (CUDA.tiles in cuda[name][0]) == tiles
+        assert (f"#define PA_TILE {METAL.tile}\n" in metal[name][0]) == tiles
 
 
-def test_template_code_has_no_language_specific_words():
-    for name, body in split_kernels(read_template()).items():
+@pytest.mark.parametrize("name", [TEMPLATE, LATENT_TEMPLATE])
+def test_template_code_has_no_language_specific_words(name):
+    for kernel, body in split_kernels(read_template(name)).items():
         code = re.sub(r"//.*", "", body)
-        assert not re.search(DIALECT_WORDS, code), (name, re.search(DIALECT_WORDS, code))
+        assert not re.search(DIALECT_WORDS, code), (kernel, re.search(DIALECT_WORDS, code))
 
 
-def test_dialects_define_the_same_names():
-    def names(dialect):
-        defined = set(re.findall(r"#define (PA_\w+)", dialect.header))
-        defined |= set(re.findall(r"\b(pa_\w+)\b", dialect.header + dialect.prelude))
-        return defined
+def test_dialects_define_the_names_templates_use():
+    def names(dialect):  # beside these, each dialect has helpers of its own (pa_pair, PA_MMA8, ...)
+        text = dialect.header + dialect.tiles + dialect.prelude
+        return set(re.findall(r"#define (PA_\w+)", text)) | set(re.findall(r"\b(pa_\w+)\b", text)) | {"PA_TILE"}
 
-    assert names(METAL) == names(CUDA)
     header = kernel_sources(read_template(), CUDA, 4, 64)["partition"].header
     variant = set(re.findall(r"#define (PA_\w+)", header)) - names(CUDA)
     assert variant == {"PA_BITS", "PA_GROUP"}
-    used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template()).values())))
-    assert used <= names(CUDA) | variant
+    for name in (TEMPLATE, LATENT_TEMPLATE):
+        used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template(name)).values())))
+        assert used <= (names(CUDA) & names(METAL)) | variant
     assert set(DIALECTS) == {"cuda", "metal"}
+
+
+def test_latent_kernel_is_named_by_its_template_and_reads_every_input():
+    template = read_template(LATENT_TEMPLATE)
+    for dialect in (CUDA, METAL):
+        source = latent_source(template, dialect)
+        assert source.name == latent_source(template, dialect).name != latent_source(template + " ", dialect).name
+        for name in source.input_names + source.output_names:
+            assert re.search(rf"\b{name}\b", source.source), name
+
+
+def test_latent_kernel_supports_what_its_tiles_and_threadgroup_memory_allow():
+    cuda, metal = CudaKernel().latent, MetalKernel().latent
+
+    def pool(row=576, block=16, dtype=mx.bfloat16, kv_heads=1):
+        return mx.zeros((3, kv_heads, block, row), dtype)
+
+    for kernel in (cuda, metal):
+        assert kernel.supports(mx.bfloat16, pool(), 128, 512)  # DeepSeek-V3
+        assert kernel.supports(mx.float16, pool(dtype=mx.float16), 16, 512)  # V2-Lite
+        assert kernel.supports(mx.bfloat16, pool(288), 16, 256)  # MiniCPM3
+        assert kernel.shared_bytes(mx.bfloat16, 576, 512, 16) <= kernel.dialect.shared_memory
+        assert not kernel.supports(mx.float32, pool(dtype=mx.float32), 128, 512)  # no float32 tiles
+        assert not kernel.supports(mx.float16, pool(), 128, 512)  # queries and pool alike
+        assert not kernel.supports(mx.bfloat16, pool(kv_heads=2), 128, 512)
+        assert not kernel.supports(mx.bfloat16, pool(), 4, 512)  # fewer heads than a tile
+        assert not kernel.supports(mx.bfloat16, pool(), 128, 2048)  # more values than the reduce's threads
+        assert not kernel.supports(mx.bfloat16, pool(block=4), 128, 512)
+        assert not kernel.supports(mx.bfloat16, quantized(8, 64, (3, 1, 16, 576)), 128, 512)
+    assert not cuda.supports(mx.bfloat16, pool(), 8, 512) and metal.supports(mx.bfloat16, pool(), 8, 512)
+    assert not cuda.supports(mx.bfloat16, pool(block=8), 128, 512) and metal.supports(mx.bfloat16, pool(block=8), 128, 512)
 
 
 @pytest.mark.parametrize("dialect", [CUDA, METAL], ids=["cuda", "metal"])
@@ -169,6 +213,46 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         output, _ = job.communicate(timeout=300)
         assert job.returncode == 0, (case, output)
         assert "warning" not in output, (case, output)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_cuda_rendering_of_the_latent_kernel_compiles_with_nvcc(tmp_path):
+    """The latent kernel, wrapped as mx.fast.cuda_kernel wraps it, compiles for sm_90 within the
+    threadgroup memory ``supports`` allows, with no spills."""
+    source = latent_source(read_template(LATENT_TEMPLATE), CUDA)
+    jobs = []
+    cases = [(mx.bfloat16, 576, 512, 16), (mx.float16, 288, 256, 32)]  # DeepSeek; MiniCPM3
+    for i, (dtype, row, latent, block) in enumerate(cases):
+        ctype = CUDA_TYPES[dtype]
+        params = dict(queries=ctype, pool=ctype, block_tables="int32_t", context_lens="int32_t", params="float")
+        params.update(part_out="float", part_m="float", part_l="float")
+        constants = dict(T=dtype, D=row, DV=latent, BS=block, HM=CUDA.tile, PART=256, NW=4)
+        (tmp_path / f"k{i}.cu").write_text(
+            "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+            "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
+            + source.header
+            + cuda_source(source, params, constants)
+        )
+        command = ["nvcc", "-arch=sm_90", "-Xptxas", "-v", "-c", f"k{i}.cu", "-o", f"k{i}.o"]
+        jobs.append(subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    kernel = CudaKernel().latent
+    for (dtype, row, latent, block), job in zip(cases, jobs):
+        output, _ = job.communicate(timeout=300)
+        assert job.returncode == 0, output
+        assert "warning" not in output, output
+        assert "0 bytes spill stores" in output, output
+        shared = int(re.search(r"(\d+) bytes smem", output).group(1))
+        assert shared == kernel.shared_bytes(dtype, row, latent, block) <= CUDA.shared_memory
+
+
+@pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal")
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("row,latent,block_size", [(576, 512, 16), (288, 256, 32)])
+def test_metal_latent_kernel_compiles_and_matches_portable(dtype, row, latent, block_size):
+    kernel = MetalKernel().latent
+    with mx.stream(mx.gpu):
+        error = kernel.check_error(dtype, row, latent, block_size)
+    assert error <= {mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]
 
 
 @pytest.mark.skipif(not mx.metal.is_available(), reason="needs Metal")

@@ -13,7 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel
+from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
 
@@ -220,3 +220,17 @@ def test_fused_kernel_that_cannot_run_falls_back_with_one_warning(kernel_class):
     ref = reference(queries, k_pool, v_pool, row_tables, row_lens, 0.125)
     assert rel_error(out, ref) < 1e-5
     assert rel_error(again, ref) < 1e-5
+
+
+def test_self_check_verdict_warns_once_per_failure_and_takes_nan_as_a_mismatch():
+    def broken():
+        raise RuntimeError("Failed to compile kernel")
+
+    with pytest.warns(RuntimeWarning, match=r"cuda latent attention kernel failed for dtype=x \(Failed to compile"):
+        assert not self_check.passes("cuda latent attention", "dtype=x", broken, 1e-2)
+    for error in (float("nan"), 0.5):
+        with pytest.warns(RuntimeWarning, match="disagrees with the portable kernel for dtype=x"):
+            assert not self_check.passes("cuda latent attention", "dtype=x", lambda: error, 1e-2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert self_check.passes("cuda latent attention", "dtype=x", lambda: 1e-3, 1e-2)

@@ -307,3 +307,81 @@ def test_broken_source_fails_the_self_check_and_falls_back(broken, message):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert rel_error(good(*args), ref) < 1e-5
+
+
+# -- multi-head latent attention ------------------------------------------------------------------------
+
+# The probabilities weigh the latent rounded to the dtype, as in flash attention.
+LATENT_LIMIT = {mx.bfloat16: 2e-2, mx.float16: 1e-2}
+LATENT_CASES = [
+    # dtype, q_heads, row width, latent, block_size, context lengths
+    (mx.bfloat16, 128, 576, 512, 16, [1, 15, 16, 17, 255, 256, 257, 1300]),  # DeepSeek-V3
+    (mx.float16, 16, 576, 512, 16, [3, 700, 33]),  # DeepSeek-V2-Lite
+    (mx.bfloat16, 32, 576, 512, 32, [1, 31, 600]),
+    (mx.float16, 16, 288, 256, 16, [100, 513]),  # MiniCPM3: latent 256 + RoPE 32
+]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("dtype,q_heads,row,latent,block_size,lens", LATENT_CASES)
+def test_fused_latent_decode_matches_reference(seed, dtype, q_heads, row, latent, block_size, lens):
+    """Every slot a row must not see (past its context, unreferenced blocks) holds NaN."""
+    rng = np.random.default_rng(seed)
+    pool_np, _, tables = make_case(rng, lens, q_heads, 1, row, block_size, strict=True)
+    q, q_np = cast(rng.standard_normal((len(lens), q_heads, 1, row)).astype(np.float32), dtype)
+    pool, pool_np = cast(pool_np, dtype)
+    scale = row**-0.5
+    kernel = CudaKernel(poison_outputs=True)
+    assert kernel.latent.supports(dtype, pool, q_heads, latent)
+    params = mx.array([scale], mx.float32)
+    out = kernel.latent.decode(q, pool, latent, mx.array(tables), mx.array(lens, mx.int32), params)
+    assert out.dtype == dtype and out.shape == (len(lens), q_heads, 1, latent)
+    want = reference(q_np, pool_np, pool_np, tables, lens, scale)[..., :latent]
+    assert rel_error(out, want) <= LATENT_LIMIT[dtype]
+
+
+@pytest.mark.parametrize("row_prefill_max_reads", [0, 1 << 30])
+def test_cuda_kernel_serves_latent_rows_of_a_step(row_prefill_max_reads):
+    """Decode rows and prefill chunks of an MLA layer: as rows of the fused kernel, or (long chunks)
+    through the portable prefill; the self-check passes."""
+    rng = np.random.default_rng(13)
+    plan, queries, pool_np, _, row_tables, row_lens = make_plan(
+        rng, 16, 1, 576, 16, decode_lens=[1, 17, 600], prefills=[(500, 30), (0, 9), (0, 1)], strict=False
+    )
+    q, q_np = cast(queries, mx.bfloat16)
+    pool, pool_np = cast(np.nan_to_num(pool_np), mx.bfloat16)
+    kernel = CudaKernel()
+    kernel.row_prefill_max_reads = row_prefill_max_reads
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the self-check passes
+        out = kernel.latent_attention(q, pool, 512, plan, 0.1)
+    want = reference(q_np, pool_np, pool_np, row_tables, row_lens, 0.1)[..., :512]
+    assert out.shape == (q.shape[0], 16, 1, 512)
+    assert rel_error(out, want) <= LATENT_LIMIT[mx.bfloat16]
+    assert list(kernel.latent._checked.values()) == [True]
+
+
+@pytest.mark.parametrize(
+    "broken,message",
+    [
+        (("probs[h * PROW + i] = static_cast<T>(p);", "probs[h * PROW + i] = static_cast<T>(2.0f * p);"),
+         "disagrees"),
+        (("    if (t + r < tokens) {\n      pa_copy", "    if (true) {\n      pa_copy"), "disagrees"),  # NaN slots
+        (("const int lane = pa_tid % SIMD;", "const int lane = pa_tid % SIMD"), "failed"),  # no compile
+    ],
+)
+def test_broken_latent_source_fails_the_self_check_and_falls_back(broken, message):
+    template = read_template("latent_attention.in")
+    assert broken[0] in template
+    kernel = CudaKernel(latent_template=template.replace(*broken))
+    rng = np.random.default_rng(14)
+    plan, queries, pool_np, _, row_tables, row_lens = make_plan(
+        rng, 16, 1, 576, 16, decode_lens=[1, 40, 700], prefills=[], strict=False
+    )
+    q, q_np = cast(queries, mx.bfloat16)
+    pool, pool_np = cast(np.nan_to_num(pool_np), mx.bfloat16)
+    with pytest.warns(RuntimeWarning, match=message):
+        out = kernel.latent_attention(q, pool, 512, plan, 0.1)
+    want = reference(q_np, pool_np, pool_np, row_tables, row_lens, 0.1)[..., :512]
+    assert rel_error(out, want) <= LIMIT[mx.bfloat16]
+    assert list(kernel.latent._checked.values()) == [False]

@@ -10,6 +10,8 @@ from test_engine import PROMPT_LENGTHS, random_prompts, reference, run_staggered
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
+from llm_paged_mlx.kernels.dialect import CUDA
+from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
 from llm_paged_mlx.models.paged_cache import PagedLatentCache, check_model
 
@@ -111,12 +113,35 @@ def dense_latent_attention(queries, latent_rows, value_dim, scale):
     return mx.softmax(scores, axis=-1) @ latent_rows[:, :value_dim].astype(mx.float32)
 
 
+class LatentRowsOnCpu(FusedKernel):
+    """The fused kernel's routing of an MLA plan, with its latent decode kernel replaced by the portable
+    rows that its self-check compares it with (the CPU has no fused kernels)."""
+
+    name = "latent-rows-on-cpu"
+    dialect = CUDA  # rendered, never compiled
+
+    def __init__(self):
+        super().__init__()
+        self.latent.usable = lambda *args: True
+        self.latent.decode = self.portable_rows
+
+    @staticmethod
+    def portable_rows(queries, pool, value_dim, tables, lens, params):
+        return decode_attention(queries, pool, pool, tables, lens, params[0].item())[..., :value_dim]
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
-@pytest.mark.parametrize("tiled", [False, True])
-def test_latent_attention_of_decode_and_prefill_rows_matches_a_dense_reference(dtype, tiled, monkeypatch):
-    """Two decode rows and a prefill chunk of 21 tokens over 16-token blocks scattered in the pool."""
-    if tiled:  # the prefill chunk goes over its context in 32-token tiles
+@pytest.mark.parametrize("kernel", ["portable", "portable-tiled", "fused-rows", "fused-chunks"])
+def test_latent_attention_of_decode_and_prefill_rows_matches_a_dense_reference(dtype, kernel, monkeypatch):
+    """Two decode rows and a prefill chunk of 21 tokens over 16-token blocks scattered in the pool.
+
+    ``fused-*``: the fused kernel's routing (the prefill chunk as single-query rows, or through the
+    portable causal attention)."""
+    if kernel == "portable-tiled":  # the prefill chunk goes over its context in 32-token tiles
         monkeypatch.setattr("llm_paged_mlx.kernels.portable.prefill_tile", lambda *args: 32)
+    attention = PortableKernel() if kernel.startswith("portable") else LatentRowsOnCpu()
+    if kernel == "fused-chunks":
+        attention.row_prefill_max_reads = 0
     mx.random.seed(1)
     heads, row, value_dim, block = 8, 72, 64, 16
     pool = mx.random.normal((12, 1, block, row)).astype(dtype)
@@ -133,7 +158,7 @@ def test_latent_attention_of_decode_and_prefill_rows_matches_a_dense_reference(d
         decode_context_lens=mx.array(lengths[:2], dtype=mx.int32),
         prefills=[PrefillChunk(2, 21, 70, mx.array(tables[2], dtype=mx.int32))],
     )
-    out = PortableKernel().latent_attention(queries, pool, value_dim, plan, 0.2)
+    out = attention.latent_attention(queries, pool, value_dim, plan, 0.2)
     assert out.shape == (23, heads, 1, value_dim) and out.dtype == dtype
     tolerance = {mx.float32: 1e-5, mx.float16: 5e-3, mx.bfloat16: 3e-2}[dtype]
     rows = [slice(0, 1), slice(1, 2), slice(2, 23)]

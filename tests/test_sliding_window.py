@@ -13,6 +13,7 @@ from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.engine.request import Status
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.plan import window_tables
+from llm_paged_mlx.kernels.dialect import CUDA
 from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
 
@@ -169,6 +170,7 @@ class RowsOnCpu(FusedKernel):
     the self-check compares them with (the CPU has no fused kernels)."""
 
     name = "rows-on-cpu"
+    dialect = CUDA  # rendered, never compiled
 
     def usable(self, *args) -> bool:
         return True

@@ -14,7 +14,10 @@ from functools import cache
 from importlib import resources
 from pathlib import Path
 
+import mlx.core as mx
+
 TEMPLATE = "paged_attention.in"
+LATENT_TEMPLATE = "latent_attention.in"
 _KERNEL_MARK = re.compile(r"^// @kernel (\w+)\n", re.MULTILINE)
 
 
@@ -22,7 +25,21 @@ _KERNEL_MARK = re.compile(r"^// @kernel (\w+)\n", re.MULTILINE)
 class Dialect:
     name: str
     header: str
+    tile: int  # PA_TILE: the edge of a square matrix tile
+    tiles: str
     prelude: str
+    shared_memory: int  # bytes of static threadgroup memory one threadgroup may declare
+
+
+@dataclass(frozen=True)
+class KernelSource:
+    """One kernel of one variant, as ``mx.fast.metal_kernel``/``cuda_kernel`` take it."""
+
+    name: str
+    input_names: list[str]
+    output_names: list[str]
+    header: str
+    source: str
 
 
 CUDA = Dialect(
@@ -74,12 +91,123 @@ __device__ __forceinline__ void pa_store(P* dst, float v) {
   *dst = static_cast<P>(v);
 }
 """,
+    tile=16,
+    tiles="""\
+// Tiles of one warp, for mma.sync.m16n8k16 (two per tile product; no header: NVRTC may lack mma.h's).
+// A (row-major in memory), B (row-major), B read from its transpose (B's columns are rows in memory):
+// four 32-bit registers of two 16-bit values each, in the instruction's fragment layout; the float
+// accumulator: eight values. Pointers and ld: even numbers of values.
+template <typename U>
+struct pa_tile_a {
+  unsigned int r[4];
+};
+template <typename U>
+struct pa_tile_b {
+  unsigned int r[4];
+};
+template <typename U>
+struct pa_tile_bt {
+  unsigned int r[4];
+};
+struct pa_tile_acc {
+  float c[8];
+};
+
+#define PA_UNROLL_4 _Pragma("unroll 4")
+
+// N values from src to dst, both 16-byte aligned, in 16-byte copies.
+template <int N, typename U>
+__device__ __forceinline__ void pa_copy(U* dst, const U* src) {
+  _Pragma("unroll")
+  for (int i = 0; i < N; i += 16 / sizeof(U)) {
+    *reinterpret_cast<uint4*>(dst + i) = *reinterpret_cast<const uint4*>(src + i);
+  }
+}
+
+template <typename U>
+__device__ __forceinline__ unsigned int pa_pair(const U* src) {  // src[0] low, src[1] high
+  return *reinterpret_cast<const unsigned int*>(src);
+}
+template <typename U>
+__device__ __forceinline__ unsigned int pa_join(U low, U high) {
+  return (unsigned int)(*reinterpret_cast<unsigned short*>(&low)) |
+         ((unsigned int)(*reinterpret_cast<unsigned short*>(&high)) << 16);
+}
+
+// Lane l holds rows l / 4 and l / 4 + 8, columns (l % 4) * 2 + {0, 1} and those + 8.
+template <typename U>
+__device__ __forceinline__ void pa_tile_load(pa_tile_a<U>& tile, const U* src, int ld) {
+  const int g = (threadIdx.x % 32) / 4, c = (threadIdx.x % 4) * 2;
+  tile.r[0] = pa_pair(src + g * ld + c);
+  tile.r[1] = pa_pair(src + (g + 8) * ld + c);
+  tile.r[2] = pa_pair(src + g * ld + c + 8);
+  tile.r[3] = pa_pair(src + (g + 8) * ld + c + 8);
+}
+// B's element (k, n) at src[n * ld + k]: lane l holds columns n = l / 4 and l / 4 + 8, rows (l % 4) * 2 +
+// {0, 1} and those + 8.
+template <typename U>
+__device__ __forceinline__ void pa_tile_load(pa_tile_bt<U>& tile, const U* src, int ld) {
+  const int g = (threadIdx.x % 32) / 4, c = (threadIdx.x % 4) * 2;
+  tile.r[0] = pa_pair(src + g * ld + c);
+  tile.r[1] = pa_pair(src + g * ld + c + 8);
+  tile.r[2] = pa_pair(src + (g + 8) * ld + c);
+  tile.r[3] = pa_pair(src + (g + 8) * ld + c + 8);
+}
+// B's element (k, n) at src[k * ld + n]: the same registers, two values from two rows each.
+template <typename U>
+__device__ __forceinline__ void pa_tile_load(pa_tile_b<U>& tile, const U* src, int ld) {
+  const int g = (threadIdx.x % 32) / 4, c = (threadIdx.x % 4) * 2;
+  tile.r[0] = pa_join(src[c * ld + g], src[(c + 1) * ld + g]);
+  tile.r[1] = pa_join(src[(c + 8) * ld + g], src[(c + 9) * ld + g]);
+  tile.r[2] = pa_join(src[c * ld + g + 8], src[(c + 1) * ld + g + 8]);
+  tile.r[3] = pa_join(src[(c + 8) * ld + g + 8], src[(c + 9) * ld + g + 8]);
+}
+__device__ __forceinline__ void pa_tile_zero(pa_tile_acc& tile) {
+  _Pragma("unroll")
+  for (int i = 0; i < 8; ++i) {
+    tile.c[i] = 0.0f;
+  }
+}
+
+template <typename U>
+struct pa_mma8;  // c (16 x 8) += a (16 x 16) . b (16 x 8), for U = __half ("f16") and __nv_bfloat16 ("bf16")
+#define PA_MMA8(U, TYPE) \\
+  template <> \\
+  struct pa_mma8<U> { \\
+    static __device__ __forceinline__ void run(float* c, const unsigned int* a, const unsigned int* b) { \\
+      asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." TYPE "." TYPE ".f32 " \\
+                   "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\\n" \\
+                   : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3]) \\
+                   : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1])); \\
+    } \\
+  };
+PA_MMA8(__half, "f16")
+PA_MMA8(__nv_bfloat16, "bf16")
+// acc += a . b
+template <typename U, template <typename> class B>
+__device__ __forceinline__ void pa_tile_mma(pa_tile_acc& acc, const pa_tile_a<U>& a, const B<U>& b) {
+  pa_mma8<U>::run(acc.c, a.r, b.r);
+  pa_mma8<U>::run(acc.c + 4, a.r, b.r + 2);
+}
+// Lane l holds rows l / 4 and l / 4 + 8, columns (l % 4) * 2 + {0, 1} of each 8-column half.
+__device__ __forceinline__ void pa_tile_store(float* dst, const pa_tile_acc& tile, int ld) {
+  const int g = (threadIdx.x % 32) / 4, c = (threadIdx.x % 4) * 2;
+  _Pragma("unroll")
+  for (int h = 0; h < 2; ++h) {
+    dst[g * ld + h * 8 + c] = tile.c[h * 4];
+    dst[g * ld + h * 8 + c + 1] = tile.c[h * 4 + 1];
+    dst[(g + 8) * ld + h * 8 + c] = tile.c[h * 4 + 2];
+    dst[(g + 8) * ld + h * 8 + c + 1] = tile.c[h * 4 + 3];
+  }
+}
+""",
     prelude="""\
 const int pa_tid = int(threadIdx.x);
 const int pa_group_x = int(blockIdx.x);
 const int pa_group_y = int(blockIdx.y);
 const int pa_group_z = int(blockIdx.z);
 """,
+    shared_memory=48 * 1024,
 )
 
 METAL = Dialect(
@@ -116,12 +244,65 @@ inline void pa_store(device P* dst, float v) {
   *dst = static_cast<P>(v);
 }
 """,
+    tile=8,
+    tiles="""\
+#include <metal_simdgroup_matrix>
+#define PA_UNROLL_4 _Pragma("clang loop unroll_count(4)")
+
+// N values from src to dst.
+template <int N, typename P, typename Q>
+inline void pa_copy(P dst, Q src) {
+  for (int i = 0; i < N; ++i) {
+    dst[i] = src[i];
+  }
+}
+
+// Tiles of one simd group: A (row-major in memory), B (row-major), B read from its transpose (B's columns
+// are rows in memory), and a float accumulator.
+template <typename U>
+using pa_tile_a = simdgroup_matrix<U, 8, 8>;
+template <typename U>
+using pa_tile_b = simdgroup_matrix<U, 8, 8>;
+template <typename U>
+struct pa_tile_bt {
+  simdgroup_matrix<U, 8, 8> m;
+};
+typedef simdgroup_matrix<float, 8, 8> pa_tile_acc;
+
+template <typename U, typename P>
+inline void pa_tile_load(thread simdgroup_matrix<U, 8, 8>& tile, P src, int ld) {
+  simdgroup_load(tile, src, ulong(ld));
+}
+template <typename U, typename P>
+inline void pa_tile_load(thread pa_tile_bt<U>& tile, P src, int ld) {
+  simdgroup_load(tile.m, src, ulong(ld), ulong2(0, 0), true);
+}
+inline void pa_tile_zero(thread pa_tile_acc& tile) {
+  tile = pa_tile_acc(0.0f);
+}
+// acc += a . b
+template <typename U>
+inline void pa_tile_mma(thread pa_tile_acc& acc, thread const simdgroup_matrix<U, 8, 8>& a,
+                        thread const simdgroup_matrix<U, 8, 8>& b) {
+  simdgroup_multiply_accumulate(acc, a, b, acc);
+}
+template <typename U>
+inline void pa_tile_mma(thread pa_tile_acc& acc, thread const simdgroup_matrix<U, 8, 8>& a,
+                        thread const pa_tile_bt<U>& b) {
+  simdgroup_multiply_accumulate(acc, a, b.m, acc);
+}
+template <typename P>
+inline void pa_tile_store(P dst, thread const pa_tile_acc& tile, int ld) {
+  simdgroup_store(tile, dst, ulong(ld));
+}
+""",
     prelude="""\
 const int pa_tid = int(thread_index_in_threadgroup);
 const int pa_group_x = int(threadgroup_position_in_grid.x);
 const int pa_group_y = int(threadgroup_position_in_grid.y);
 const int pa_group_z = int(threadgroup_position_in_grid.z);
 """,
+    shared_memory=32 * 1024,
 )
 
 DIALECTS = {d.name: d for d in (CUDA, METAL)}
@@ -146,11 +327,29 @@ def split_kernels(template: str) -> dict[str, str]:
     return {name: body.strip() + "\n" for name, body in zip(pieces[1::2], pieces[2::2])}
 
 
-def render(template: str, dialect: Dialect, defines: dict[str, int] | None = None) -> dict[str, tuple[str, str]]:
+def render(
+    template: str, dialect: Dialect, defines: dict[str, int] | None = None, tiles: bool = False
+) -> dict[str, tuple[str, str]]:
     """``{kernel: (header, body)}`` ready for ``mx.fast.metal_kernel``/``cuda_kernel``.
 
     ``defines``: the macros that choose one variant of the template (``{"PA_BITS": 4, ...}``), written
-    as ``#define`` lines at the head of every kernel's header.
+    as ``#define`` lines at the head of every kernel's header; ``tiles``: the template multiplies
+    ``pa_tile_*`` matrix tiles (``PA_TILE`` values square).
     """
+    if tiles:
+        defines = {**(defines or {}), "PA_TILE": dialect.tile}
     macros = "".join(f"#define {name} {value}\n" for name, value in (defines or {}).items())
-    return {name: (macros + dialect.header, dialect.prelude + body) for name, body in split_kernels(template).items()}
+    header = macros + dialect.header + (dialect.tiles if tiles else "")
+    return {name: (header, dialect.prelude + body) for name, body in split_kernels(template).items()}
+
+
+def build(source: KernelSource, dialect: Dialect):
+    """The MLX kernel for ``source`` in ``dialect`` (MLX compiles it at its first call)."""
+    make = mx.fast.cuda_kernel if dialect is CUDA else mx.fast.metal_kernel
+    return make(
+        name=source.name,
+        input_names=source.input_names,
+        output_names=source.output_names,
+        header=source.header,
+        source=source.source,
+    )

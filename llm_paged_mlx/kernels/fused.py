@@ -19,18 +19,20 @@ float32 over the same values. A compile error or a mismatch warns once and
 that configuration stays on the portable kernel, so a kernel that was never
 run on this hardware cannot give wrong tokens. Shapes the kernel does not cover
 (head dims other than a power of two from 8 to 256, K and V head dims that
-differ, ...) also use the portable kernel, and so does multi-head latent
-attention (``latent_attention``).
+differ, ...) also use the portable kernel.
+
+Multi-head latent attention (``latent_attention``) has its own fused kernel,
+from ``csrc/latent_attention.in`` (``latent.LatentKernels``).
 """
 
 import hashlib
-import warnings
-from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .dialect import CUDA, METAL, Dialect, read_template, render
-from .plan import AttentionPlan, window_tables
+from . import self_check
+from .dialect import CUDA, METAL, Dialect, KernelSource, build, read_template, render
+from .latent import LatentKernels
+from .plan import AttentionPlan, PrefillChunk, window_tables
 from .portable import PortableKernel, decode_attention, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
 
@@ -40,17 +42,6 @@ MAX_HEADS_PER_GROUP = 8
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
-
-
-@dataclass(frozen=True)
-class KernelSource:
-    """One kernel of one variant, as ``mx.fast.metal_kernel``/``cuda_kernel`` take it."""
-
-    name: str
-    input_names: list[str]
-    output_names: list[str]
-    header: str
-    source: str
 
 
 def kernel_sources(template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None):
@@ -109,15 +100,19 @@ class FusedKernel:
         partition_size: int = 512,
         warps: int = 4,
         poison_outputs: bool = False,
+        latent_template: str | None = None,
     ):
-        """``template``: kernel source to use instead of ``csrc/``; ``partition_size`` and ``warps``:
-        tokens per partition and simd groups per threadgroup; ``poison_outputs``: fill the kernels'
-        output buffers with NaN before they run (tests: nothing unwritten is read)."""
+        """``template`` and ``latent_template``: kernel sources to use instead of ``csrc/``'s;
+        ``partition_size`` and ``warps``: tokens per partition and simd groups per threadgroup;
+        ``poison_outputs``: fill the kernels' output buffers with NaN before they run (tests: nothing
+        unwritten is read)."""
         self.template = template if template is not None else read_template()
         self.partition_size = partition_size
         self.warps = warps
         self.init_value = float("nan") if poison_outputs else None
         self.portable = PortableKernel()
+        reduce = kernel_sources(self.template, self.dialect)["reduce"]
+        self.latent = LatentKernels(self.dialect, reduce, latent_template, init_value=self.init_value)
         self._kernels: dict[tuple, object] = {}
         self._checked: dict[tuple, bool] = {}
         self._param_arrays: dict[tuple, mx.array] = {}
@@ -139,20 +134,38 @@ class FusedKernel:
             q = queries[: lens.shape[0]]
             return self.decode(q, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts)
 
+        def chunk(c: PrefillChunk):
+            q = queries[c.row_start : c.row_start + c.num_tokens]
+            return prefill_attention(q, k_pool, v_pool, c.block_table, c.context_len, scale, window, sinks, softcap)
+
+        return self._route(plan, rows, chunk)
+
+    def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
+        """MLA rows (see ``kernels``): single-query rows through ``latent.LatentKernels``, other prefill
+        chunks through the portable kernel's causal attention."""
+        if not self.latent.usable(queries.dtype, pool, queries.shape[1], value_dim):
+            return self.portable.latent_attention(queries, pool, value_dim, plan, scale)
+
+        def rows(every_row: bool):
+            tables, lens = plan.row_tables() if every_row else (plan.decode_block_tables, plan.decode_context_lens)
+            return self.latent.decode(queries[: lens.shape[0]], pool, value_dim, tables, lens, self._params(scale))
+
+        def chunk(c: PrefillChunk):
+            q = queries[c.row_start : c.row_start + c.num_tokens]
+            return prefill_attention(q, pool, pool, c.block_table, c.context_len, scale)[..., :value_dim]
+
+        return self._route(plan, rows, chunk)
+
+    def _route(self, plan: AttentionPlan, rows, chunk) -> mx.array:
+        """A step's outputs in row order: ``rows(every_row)`` for the decode rows (or, when every prefill
+        chunk is served best as rows, for every row), ``chunk(c)`` for each other prefill chunk."""
         if not plan.prefills:
             return rows(every_row=False)
         if all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
             return rows(every_row=True)
         parts = [rows(every_row=False)] if plan.num_decode else []
-        for chunk in plan.prefills:
-            q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
-            table, length = chunk.block_table, chunk.context_len
-            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap))
+        parts += [chunk(c) for c in plan.prefills]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
-    def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
-        """MLA rows (see ``kernels``): the portable kernel's."""
-        return self.portable.latent_attention(queries, pool, value_dim, plan, scale)
 
     def prefill_as_rows(self, num_tokens: int, context_len: int) -> bool:
         """Whether a prefill chunk is served best as single-query rows."""
@@ -287,18 +300,8 @@ class FusedKernel:
         """The (partition, reduce) kernels of a variant, made at first use."""
         key = (bits, group_size)
         if key not in self._kernels:
-            make = mx.fast.cuda_kernel if self.dialect is CUDA else mx.fast.metal_kernel
             sources = kernel_sources(self.template, self.dialect, bits, group_size)
-            self._kernels[key] = tuple(
-                make(
-                    name=k.name,
-                    input_names=k.input_names,
-                    output_names=k.output_names,
-                    header=k.header,
-                    source=k.source,
-                )
-                for k in (sources["partition"], sources["reduce"])
-            )
+            self._kernels[key] = (build(sources["partition"], self.dialect), build(sources["reduce"], self.dialect))
         return self._kernels[key]
 
     def _self_check(
@@ -310,29 +313,17 @@ class FusedKernel:
             config += f", kv_bits={bits}, group_size={group_size}"
         features = {"window": window, "sinks": sinks, "softcap": softcap}
         config += "".join(f", {name}={value}" for name, value in features.items() if value)
-        try:
-            error = max(
+        return self_check.passes(
+            f"{self.name} paged attention",
+            config,
+            lambda: max(
                 self.check_error(
                     dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size, **features
                 )
                 for one in (False, True)
-            )
-        except Exception as exc:  # a compile or launch error: any failure means "don't use it"
-            warnings.warn(
-                f"{self.name} paged attention kernel failed for {config} ({exc}); using the portable kernel",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return False
-        if not error <= TOLERANCE[dtype]:
-            warnings.warn(
-                f"{self.name} paged attention kernel disagrees with the portable kernel for {config} "
-                f"(relative error {error:.2e}); using the portable kernel",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return False
-        return True
+            ),
+            TOLERANCE[dtype],
+        )
 
     def check_error(
         self,
