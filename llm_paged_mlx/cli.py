@@ -1,6 +1,10 @@
 """The ``llm paged-mlx`` commands: register, list, import and remove the plugin's models; serve one over HTTP."""
 
+import os
 import shutil
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import click
@@ -133,13 +137,27 @@ SERVE_DEFAULTS = {"max_num_seqs": "256", "kv_disk_budget": "0"}
 @click.option("--max-waiting", default=1024, show_default=True, type=click.IntRange(1),
               help="Requests that may wait for the engine; more get 503")
 @click.option("--max-body", default="32MB", show_default=True, help="Largest request body")
-def serve(model_id, host, port, api_key, options, max_waiting, max_body):
+@click.option("--tensor-parallel", default=1, show_default=True, type=click.IntRange(1),
+              help="Shard the model over this many processes (GPUs, or Macs with --hostfile), started "
+                   "through mlx.launch; rank 0 serves HTTP")
+@click.option("--backend", type=click.Choice(["ring", "nccl", "jaccl"]),
+              help="mx.distributed backend for --tensor-parallel (default: nccl with CUDA, else ring)")
+@click.option("--hostfile", type=click.Path(exists=True, dir_okay=False),
+              help="mlx.launch's hostfile: the machines to run the ranks on (default: this one)")
+def serve(model_id, host, port, api_key, options, max_waiting, max_body, tensor_parallel, backend, hostfile):
     "Serve a model over an OpenAI-compatible HTTP API (chat, completions, models, metrics)"
     from .server import run
 
+    group = None
     try:
         max_body_bytes = parse_size(max_body)
-        served = _served_model(model_id, dict(options), max_waiting)
+        if tensor_parallel > 1:
+            if LAUNCHED_RANK not in os.environ:
+                raise SystemExit(_launch_ranks(tensor_parallel, backend, hostfile))
+            group = _join_group(tensor_parallel, backend)
+            if group.rank() != 0:
+                return _follow(model_id, options, group)
+        served = _served_model(model_id, dict(options), max_waiting, group)
     except (ValueError, ModelLoadError) as e:
         raise click.ClickException(one_line(e))
     if host not in LOCAL_HOSTS and not api_key:
@@ -149,14 +167,63 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body):
     run(served, host, port, api_key=api_key or None, max_body_bytes=max_body_bytes)
 
 
-def _served_model(name: str, options: dict, max_waiting: int):
-    """The model ``name`` names (a model id or alias of this plugin's, or an mlx-lm model folder), loaded."""
-    from pydantic import ValidationError
+LAUNCHED_RANK = "MLX_RANK"  # set by mlx.launch in every rank it starts
 
-    from .engines import engine_loop
-    from .options import PagedOptions, engine_options, sampling_params
-    from .server import ServedModel
 
+def _launch_ranks(size: int, backend, hostfile) -> int:
+    """Run this same command as ``size`` ranks through ``mlx.launch`` (on ``hostfile``'s machines, or this
+    one); its exit status. Ctrl-C reaches every local rank: rank 0 stops the server and tells the others."""
+    launcher = Path(sys.executable).with_name("mlx.launch")
+    if not launcher.is_file():
+        raise ValueError(f"--tensor-parallel needs mlx.launch beside {sys.executable} (it comes with mlx)")
+    command = [str(launcher), "--backend", backend or _default_backend()]
+    command += ["--hostfile", hostfile] if hostfile else ["-n", str(size)]
+    process = subprocess.Popen([*command, "--", sys.executable, *sys.orig_argv[1:]])
+    while True:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:  # the ranks got it too, and end
+            continue
+
+
+def _default_backend() -> str:
+    import mlx.core as mx
+
+    return "nccl" if mx.cuda.is_available() else "ring"
+
+
+def _join_group(size: int, backend):
+    """This rank's group, of ``size`` ranks; ValueError if mlx.launch started another number."""
+    import mlx.core as mx
+
+    backend = backend or _default_backend()
+    try:
+        group = mx.distributed.init(strict=True, backend=backend)
+    except RuntimeError as e:  # the backend is not in this build of MLX, or cannot connect
+        raise ValueError(f"--tensor-parallel: MLX's {backend} backend did not start ({one_line(e)})") from None
+    if group.size() != size:
+        raise ValueError(f"--tensor-parallel {size}, but mlx.launch started {group.size()} ranks")
+    return group
+
+
+def _follow(model_id: str, options, group) -> None:
+    """A rank other than 0: build and step its shard of the engine as rank 0 says, until rank 0 stops. Ctrl-C
+    is left to rank 0."""
+    from .engine import mirror
+    from .engines import engine_builder
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _, _, fetch, _ = _find_model(model_id)
+    _parse_options(dict(options))  # the same errors as rank 0's, before rank 0 asks for an engine
+    try:
+        mirror.follow(engine_builder(model_id, fetch, group), group)
+    except Exception as e:  # the group failed, or this rank's engine: its peers' next collective fails too
+        raise click.ClickException(f"rank {group.rank()} of the tensor-parallel group: {one_line(e)}")
+
+
+def _find_model(name: str):
+    """``(model_id, source, fetch, aliases)`` of the model ``name`` names: a model id or alias of this
+    plugin's, or an mlx-lm model folder."""
     model_id, aliases = name, []
     for found in llm.get_models_with_aliases():
         if name == found.model.model_id or name in found.aliases:
@@ -171,18 +238,37 @@ def _served_model(name: str, options: dict, max_waiting: int):
         fetch = lambda: source  # noqa: E731
     else:
         raise ValueError(f"{name} is neither a model of llm-paged-mlx nor a model folder (see: llm paged-mlx list)")
+    return model_id, source, fetch, tuple(a for a in aliases if a != model_id)
+
+
+def _parse_options(options: dict):
+    """The serve command's options, over its defaults."""
+    from pydantic import ValidationError
+
+    from .options import PagedOptions
+
     try:
-        parsed = PagedOptions(**{**SERVE_DEFAULTS, **options})
+        return PagedOptions(**{**SERVE_DEFAULTS, **options})
     except ValidationError as e:
         first = e.errors()[0]
         raise ValueError(f"option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
+def _served_model(name: str, options: dict, max_waiting: int, group=None):
+    """The model ``name`` names, loaded (sharded over ``group``, on its rank 0, if given)."""
+    from .engines import engine_loop
+    from .options import engine_options, sampling_params
+    from .server import ServedModel
+
+    model_id, source, fetch, aliases = _find_model(name)
+    parsed = _parse_options(options)
     defaults = {k: v for k, v in vars(sampling_params(parsed)).items() if k in options or k == "max_tokens"}
-    loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting)
+    loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting, group=group)
     config = engine_options(parsed)
     click.echo(f"Loading {model_id}...", err=True)
     loop.prepare(config).result()
     context = loop.engine.max_context or loop.engine.max_blocks * loop.engine.blocks.block_size
-    return ServedModel(model_id, loop, config, tuple(a for a in aliases if a != model_id), defaults, context)
+    return ServedModel(model_id, loop, config, aliases, defaults, context)
 
 
 @paged_mlx.group()

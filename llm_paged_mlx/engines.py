@@ -24,17 +24,21 @@ _LOOPS_LOCK = threading.Lock()
 _DISK_CACHES: dict = {}  # one KVDiskCache per directory, model identity and budget (one writer per directory)
 
 
-def engine_loop(model_id: str, source: str, fetch: Callable[[], str], max_waiting: Optional[int] = None) -> EngineLoop:
+def engine_loop(
+    model_id: str, source: str, fetch: Callable[[], str], max_waiting: Optional[int] = None, group=None
+) -> EngineLoop:
     """The loop that serves ``model_id`` (from ``source``), started if needed.
 
     Each request's config is its engine options (``options.engine_options``):
     other options rebuild the engine once the requests before them end, reusing
-    the loaded weights.
+    the loaded weights. With ``group`` (an ``mx.distributed`` group, on its rank
+    0) the model is sharded over the group's ranks, which follow this loop's
+    engine calls (``engine.mirror``).
     """
     with _LOOPS_LOCK:
         loop = _LOOPS.get((model_id, source))
         if loop is None or loop.parked.is_set():
-            build = _engine_builder(model_id, fetch)
+            build = engine_builder(model_id, fetch, group)
             loop = _LOOPS[model_id, source] = EngineLoop(build, max_waiting=max_waiting, on_stop=_close_disk_caches)
         return loop
 
@@ -49,24 +53,33 @@ def stop_all() -> None:
     _close_disk_caches()
 
 
-def _engine_builder(model_id: str, fetch: Callable[[], str]):
+def engine_builder(model_id: str, fetch: Callable[[], str], group=None):
+    """``build(options, weights)``: the engine for ``options`` (on the loop's thread), with ``weights``
+    (model, tokenizer) if given. With ``group``, the engine is sharded over it: on rank 0 it is a
+    ``mirror.LeadEngine``, and the other ranks are told to build theirs first."""
+
     def build(options: dict, weights):
-        """The engine for ``options`` (on the loop's thread), with ``weights`` (model, tokenizer) if given."""
+        from .engine import mirror
         from .engine.engine import Engine
         from .models.loading import load_model, resolve_model_path
 
+        lead = group is not None and group.rank() == 0
+        if lead:
+            mirror.announce_build(options, group)
         try:
             folder = resolve_model_path(fetch())
-            model, tokenizer = weights or load_model(str(folder))
+            model, tokenizer = weights or load_model(str(folder), lazy=group is not None)
             engine_kwargs = dict(options)
             disk_budget = engine_kwargs.pop("kv_disk_budget")
             quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
             disk = None
             if disk_budget and options["enable_prefix_caching"]:
                 disk = disk_cache(folder, disk_budget, quantization)
-            return Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json", **engine_kwargs)
+            engine = Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json",
+                            tensor_parallel=group, **engine_kwargs)  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:  # ModelFetchError is a RuntimeError
             raise ModelLoadError(f"{model_id}: {one_line(e)}") from None
+        return mirror.LeadEngine(engine, group) if lead else engine
 
     return build
 

@@ -319,6 +319,7 @@ LATENT_CASES = [
     (mx.float16, 16, 576, 512, 16, [3, 700, 33]),  # DeepSeek-V2-Lite
     (mx.bfloat16, 32, 576, 512, 32, [1, 31, 600]),
     (mx.float16, 16, 288, 256, 16, [100, 513]),  # MiniCPM3: latent 256 + RoPE 32
+    (mx.bfloat16, 16, 576, 512, 128, [1, 127, 129, 700]),  # a few bytes of block ids before the staged values
 ]
 
 

@@ -3,21 +3,26 @@
 Each rank is a process of its own running tests/tensor_parallel_rank.py, as ``mlx.launch`` would start it.
 """
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from models import tiny_model
 from smollm2 import smollm2_dir
 from tensor_parallel_rank import MAX_TOKENS, QUESTIONS, SMOLLM2_TOKENS, requests
-from test_engine import reference
+from test_engine import random_prompts, reference
 from test_engine_smollm2 import chat
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import mirror
 
 RANKS = 2
 HERE = Path(__file__).parent
@@ -101,3 +106,186 @@ def test_smollm2_over_three_ranks_answers_as_one_process(tmp_path):
     expected = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=SMOLLM2_TOKENS))]
     for rank in ranks:
         assert rank["tokens"] == expected and rank["kv_heads"] == 1
+
+
+# -- serving over ranks ---------------------------------------------------------------------------------
+
+SERVED_PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "def main():", "Colors: red,"]
+SERVED_TOKENS = 12
+
+
+def tiny_model_folder(folder: Path) -> Path:
+    """A random llama of 4 query and 2 KV heads with SmolLM2's tokenizer, as an mlx-lm model folder."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import llama
+
+    config = dict(model_type="llama", vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0,
+                  tie_word_embeddings=True, max_position_embeddings=2048)  # fmt: skip
+    mx.random.seed(7)
+    model = llama.Model(llama.ModelArgs.from_dict(config))
+    folder.mkdir()
+    mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (folder / "config.json").write_text(json.dumps(config))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((smollm2_dir() / name).read_bytes())
+    return folder
+
+
+def mlx_lm_continuation(folder: Path, prompt: str) -> str:
+    """mlx-lm's greedy tokens after ``prompt`` as the text that continues it."""
+    from mlx_lm import load
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.sample_utils import make_sampler
+
+    model, tokenizer = load(str(folder))
+    pieces = stream_generate(model, tokenizer, prompt, max_tokens=SERVED_TOKENS, sampler=make_sampler(temp=0.0))
+    generated = [r.token for r in pieces if r.token not in tokenizer.eos_token_ids]
+    prompt_ids = tokenizer.encode(prompt)
+    return tokenizer.decode(prompt_ids + generated)[len(tokenizer.decode(prompt_ids)) :]
+
+
+class Served:
+    """``serve FOLDER --tensor-parallel 2`` (ring backend) in a process group of its own, up."""
+
+    def __init__(self, folder: Path, tmp_path: Path):
+        import httpx
+
+        (port,) = free_ports(1)
+        self.folder, self.url = folder, f"http://127.0.0.1:{port}"
+        env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
+        command = [sys.executable, "-m", "llm_paged_mlx.server", str(folder), "--port", str(port),
+                   "--tensor-parallel", "2", "--backend", "ring", "-o", "kv_budget", "32MB"]  # fmt: skip
+        self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                        start_new_session=True)  # fmt: skip
+        for _ in range(600):
+            assert self.process.poll() is None, self.process.stdout.read()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        raise AssertionError("the server did not start")
+
+    def complete(self, prompt: str, max_tokens: int = SERVED_TOKENS):
+        import httpx
+
+        body = {"model": self.folder.name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+        return httpx.post(f"{self.url}/v1/completions", json=body, timeout=120)
+
+    def rank_pid(self, rank: int) -> int:
+        """The process mlx.launch started as ``rank``."""
+        for pid in subprocess.run(["pgrep", "-f", str(self.folder)], capture_output=True, text=True).stdout.split():
+            with contextlib.suppress(OSError):
+                if f"MLX_RANK={rank}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0"):
+                    return int(pid)
+        raise AssertionError(f"no rank {rank}")
+
+    def end(self, signum=None) -> str:
+        """Its output once every process of its group has ended (after ``signum`` to the group, if given)."""
+        try:
+            if signum is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.process.pid, signum)
+            return self.process.communicate(timeout=60)[0]
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # all ended, as they should
+                os.killpg(self.process.pid, signal.SIGKILL)
+
+    def left(self) -> list[str]:
+        """Processes of this server still running."""
+        return subprocess.run(["pgrep", "-f", str(self.folder)], capture_output=True, text=True).stdout.split()
+
+
+def test_serve_over_two_ranks_gives_mlx_lm_text_and_ends_every_rank_on_ctrl_c(tmp_path):
+    """``serve --tensor-parallel 2`` starts two ranks through mlx.launch (ring backend); rank 0 serves HTTP.
+    Concurrent greedy completions and a stream its client leaves mid-way (an abort both ranks must make)
+    give mlx-lm's text; Ctrl-C to the process group ends every rank."""
+    import httpx
+
+    folder = tiny_model_folder(tmp_path / "tiny-llama")
+    served = Served(folder, tmp_path)
+    try:
+        body = {"model": folder.name, "prompt": "A long story:", "max_tokens": 200, "stream": True, "temperature": 0}
+        with httpx.stream("POST", f"{served.url}/v1/completions", json=body, timeout=60) as stream:
+            next(stream.iter_lines())  # one event, then the client leaves
+        with ThreadPoolExecutor(len(SERVED_PROMPTS)) as pool:
+            texts = [r.json()["choices"][0]["text"] for r in pool.map(served.complete, SERVED_PROMPTS)]
+        assert texts == [mlx_lm_continuation(folder, p) for p in SERVED_PROMPTS]
+    finally:
+        log = served.end(signal.SIGINT)  # Ctrl-C in a terminal reaches the whole foreground group
+    assert served.left() == [], log
+
+
+def test_a_served_rank_that_dies_stops_the_server_with_the_reason(tmp_path):
+    """mlx.launch ends the other ranks when one dies (or rank 0 finds its peer gone at the next step, and
+    stops): no request hangs, every process ends, and the output says why."""
+    import httpx
+
+    folder = tiny_model_folder(tmp_path / "tiny-llama")
+    served = Served(folder, tmp_path)
+    try:
+        assert served.complete("Hello").status_code == 200
+        os.kill(served.rank_pid(1), signal.SIGKILL)
+        with contextlib.suppress(httpx.TransportError):  # or the server is already gone
+            assert served.complete("Hello again").status_code == 503
+        log = served.end()  # no signal: the server stops by itself
+    except BaseException:
+        served.end(signal.SIGKILL)
+        raise
+    assert "rank 1 exited with code -9" in log or "the tensor-parallel group failed" in log, log
+    assert served.left() == []
+
+
+# -- the mirror protocol, in one process ---------------------------------------------------------------
+
+
+def test_a_follower_makes_rank_zeros_calls_under_its_own_request_ids(monkeypatch):
+    """``follow`` replays rank 0's messages on its own engine: requests by rank 0's ids (here not its own),
+    an abort of one of them, steps until the rest finish with mlx-lm's tokens, then stop; no block is kept."""
+    model = tiny_model("llama")
+    prompts = random_prompts([30, 50, 20])
+    params = SamplingParams(max_tokens=8)
+    messages = [[(mirror.BUILD, {})], [(mirror.ADD, 100 + i, p, params) for i, p in enumerate(prompts)] + [(mirror.STEP,)],
+                [(mirror.ABORT, 101), (mirror.STEP,)]] + [[(mirror.STEP,)]] * 12 + [[(mirror.STOP,)]]  # fmt: skip
+    monkeypatch.setattr(mirror, "share", lambda message, group: messages.pop(0))
+    built, tokens = [], {}
+
+    def build(options, weights):
+        engine = Engine(model, num_blocks=24)
+        step = engine.step
+
+        def recorded():
+            chunks = step()
+            for chunk in chunks:
+                tokens.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+            return chunks
+
+        engine.step = recorded
+        built.append(engine)
+        return engine
+
+    mirror.follow(build, group=None)
+    (engine,) = built
+    assert messages == [] and not engine.has_unfinished()
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks
+    # The aborted request was the second: it ended before its first token came back (steps run ahead)
+    first, third = sorted(tokens)  # the follower's ids, in the order rank 0 added the requests
+    assert tokens[first] == reference(model, prompts[0], 8) and tokens[third] == reference(model, prompts[2], 8)
+
+
+def test_rank_zero_stops_its_server_once_when_the_group_fails(monkeypatch, capsys):
+    def failed(message, group):
+        raise mirror.GroupFailed("the tensor-parallel group failed: [ring] connection to a peer was lost")
+
+    signals = []
+    monkeypatch.setattr(mirror, "share", failed)
+    monkeypatch.setattr(mirror.os, "kill", lambda pid, signum: signals.append((pid, signum)))
+    lead = mirror.LeadEngine(Engine(tiny_model("llama"), num_blocks=8), group=None)
+    for _ in range(2):
+        with pytest.raises(mirror.GroupFailed, match="connection to a peer was lost"):
+            lead.step()
+    assert signals == [(os.getpid(), signal.SIGTERM)]  # once: a second SIGTERM would end the process at once
+    assert "stopping the server" in capsys.readouterr().err
+    lead.close()  # nothing more is sent to a failed group

@@ -114,6 +114,7 @@ struct pa_tile_acc {
 };
 
 #define PA_UNROLL_4 _Pragma("unroll 4")
+#define PA_SHARED_ALIGNED __shared__ __align__(16)
 
 // N values from src to dst, both 16-byte aligned, in 16-byte copies.
 template <int N, typename U>
@@ -248,6 +249,7 @@ inline void pa_store(device P* dst, float v) {
     tiles="""\
 #include <metal_simdgroup_matrix>
 #define PA_UNROLL_4 _Pragma("clang loop unroll_count(4)")
+#define PA_SHARED_ALIGNED threadgroup
 
 // N values from src to dst.
 template <int N, typename P, typename Q>
