@@ -1,10 +1,14 @@
 """The ``llm paged-mlx`` commands: register, list, import and remove the plugin's models; serve one over HTTP."""
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import click
@@ -152,7 +156,10 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body, tensor_
     try:
         max_body_bytes = parse_size(max_body)
         if tensor_parallel > 1:
-            if LAUNCHED_RANK not in os.environ:
+            if LAUNCHED_RANK not in os.environ:  # check here what every rank would refuse, then start them
+                _find_model(model_id)
+                _parse_options(dict(options))
+                _check_port(host, port)
                 raise SystemExit(_launch_ranks(tensor_parallel, backend, hostfile))
             group = _join_group(tensor_parallel, backend)
             if group.rank() != 0:
@@ -167,23 +174,84 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body, tensor_
     run(served, host, port, api_key=api_key or None, max_body_bytes=max_body_bytes)
 
 
-LAUNCHED_RANK = "MLX_RANK"  # set by mlx.launch in every rank it starts
+LAUNCHED_RANK = "MLX_RANK"  # set in every rank (by mlx.launch, or by serve itself on this machine)
+LOCAL_BACKENDS = ("ring", "nccl")  # what serve starts on this machine without mlx.launch
+RANK_EXIT_WAIT_S = 10.0  # after one rank failed, how long the others may take to end before they are killed
 
 
 def _launch_ranks(size: int, backend, hostfile) -> int:
-    """Run this same command as ``size`` ranks through ``mlx.launch`` (on ``hostfile``'s machines, or this
-    one); its exit status. Ctrl-C reaches every local rank: rank 0 stops the server and tells the others."""
-    launcher = Path(sys.executable).with_name("mlx.launch")
-    if not launcher.is_file():
-        raise ValueError(f"--tensor-parallel needs mlx.launch beside {sys.executable} (it comes with mlx)")
-    command = [str(launcher), "--backend", backend or _default_backend()]
-    command += ["--hostfile", hostfile] if hostfile else ["-n", str(size)]
-    process = subprocess.Popen([*command, "--", sys.executable, *sys.orig_argv[1:]])
+    """Run this same command as ``size`` ranks; the first failed rank's exit status, or 0.
+
+    On this machine the ranks are started here, as ``mlx.launch -n`` would start them (its own loop
+    would keep a core busy, and it ends with 0 whatever its ranks end with); on ``hostfile``'s machines,
+    through ``mlx.launch``. Ctrl-C in a terminal reaches every rank (rank 0 stops the server and tells
+    the others); SIGTERM and SIGHUP to this process are passed to rank 0 (or to ``mlx.launch``). When a
+    rank fails, the others are ended.
+    """
+    backend = backend or _default_backend()
+    command = [sys.executable, *sys.orig_argv[1:]]
+    if hostfile:
+        launcher = Path(sys.executable).with_name("mlx.launch")
+        if not launcher.is_file():
+            raise ValueError(f"--hostfile needs mlx.launch beside {sys.executable} (it comes with mlx)")
+        ranks = [subprocess.Popen([str(launcher), "--backend", backend, "--hostfile", hostfile, "--", *command])]
+        return _wait_for_ranks(ranks)
+    if backend not in LOCAL_BACKENDS:
+        raise ValueError(f"--backend {backend} joins machines: give their --hostfile (see mlx.launch --help)")
+    with tempfile.TemporaryDirectory(prefix="llm-paged-mlx-ranks-") as folder:
+        ranks = [subprocess.Popen(command, env={**os.environ, **env}) for env in _local_rank_env(size, backend, folder)]
+        return _wait_for_ranks(ranks)
+
+
+def _local_rank_env(size: int, backend: str, folder: str) -> list[dict]:
+    """Each local rank's environment, as ``mlx.launch -n size --backend backend`` sets it."""
+    if backend == "nccl":
+        shared = {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(_free_port()), "MLX_WORLD_SIZE": str(size)}
+        return [{**shared, LAUNCHED_RANK: str(r), "CUDA_VISIBLE_DEVICES": str(r)} for r in range(size)]
+    hosts = Path(folder) / "hosts.json"
+    hosts.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(size)]))
+    return [{LAUNCHED_RANK: str(r), "MLX_HOSTFILE": str(hosts)} for r in range(size)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_for_ranks(ranks: list) -> int:
+    """Wait for every rank; pass SIGTERM and SIGHUP to the first; end the others once one fails."""
+    lead = ranks[0]
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, lambda signum, frame: lead.send_signal(signum))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the ranks themselves
+    failed = None  # when a rank first failed
     while True:
-        try:
-            return process.wait()
-        except KeyboardInterrupt:  # the ranks got it too, and end
-            continue
+        running = [rank for rank in ranks if rank.poll() is None]
+        codes = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
+        if codes and failed is None:
+            failed = time.monotonic()
+            number = next(r for r, rank in enumerate(ranks) if rank.returncode not in (None, 0))
+            if running:
+                click.echo(f"llm-paged-mlx: rank {number} ended with status {codes[0]}; ending the others", err=True)
+            for rank in running:
+                rank.terminate()
+        if not running:
+            code = codes[0] if codes else 0
+            return code if code >= 0 else 128 - code  # killed by a signal: 128 + its number, as a shell says
+        if failed is not None and time.monotonic() - failed > RANK_EXIT_WAIT_S:
+            for rank in running:
+                rank.kill()
+        time.sleep(0.1)
+
+
+def _check_port(host: str, port: int) -> None:
+    """ValueError if ``host:port`` cannot be listened on (checked before the ranks load the model)."""
+    try:
+        with socket.create_server((host, port)):
+            pass
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _default_backend() -> str:
