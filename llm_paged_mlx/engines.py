@@ -64,9 +64,9 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None):
         from .models.loading import load_model, resolve_model_path
 
         lead = group is not None and group.rank() == 0
-        if lead:
-            mirror.announce_build(options, group)
         try:
+            if lead:
+                mirror.announce_build(options, group)
             folder = resolve_model_path(fetch())
             model, tokenizer = weights or load_model(str(folder), lazy=group is not None)
             engine_kwargs = dict(options)

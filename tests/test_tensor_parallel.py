@@ -298,3 +298,18 @@ def test_rank_zero_stops_its_server_once_when_the_group_fails(monkeypatch, capsy
     assert signals == [(os.getpid(), signal.SIGTERM)]  # once: a second SIGTERM would end the process at once
     assert "stopping the server" in capsys.readouterr().err
     lead.close()  # nothing more is sent to a failed group
+
+
+def test_a_step_that_fails_on_rank_zero_stops_the_server_rather_than_retry_alone(monkeypatch):
+    """The other ranks may have made the step: rank 0 retrying it alone would put them out of step."""
+    signals = []
+    monkeypatch.setattr(mirror, "share", lambda message, group: None)
+    monkeypatch.setattr(mirror.os, "kill", lambda pid, signum: signals.append(signum))
+    engine = Engine(tiny_model("llama"), num_blocks=8)
+    lead = mirror.LeadEngine(engine, group=None)
+    lead.add_request([1, 2, 3], SamplingParams(max_tokens=4))
+    monkeypatch.setattr(engine, "step", lambda: 1 / 0)
+    for _ in range(2):
+        with pytest.raises(mirror.GroupFailed, match="rank 0's step failed: division by zero"):
+            lead.step()
+    assert signals == [signal.SIGTERM]

@@ -50,9 +50,10 @@ def share(message, group: mx.distributed.Group):
 class LeadEngine:
     """Rank 0's engine: its admissions, aborts and steps are repeated on the other ranks (``follow``).
 
-    Everything else (its requests, stats, tokenizer, ...) is the engine's own. When the group fails, the
-    process is sent SIGTERM once (the server stops: no request can run any more) and every later step
-    raises ``GroupFailed``.
+    Everything else (its requests, stats, tokenizer, ...) is the engine's own. When the group fails, or
+    a step fails here (the other ranks may have made theirs: retrying it alone would put the ranks out
+    of step), the process is sent SIGTERM once (the server stops: no request can run any more) and
+    every later step raises ``GroupFailed``.
     """
 
     def __init__(self, engine, group: mx.distributed.Group):
@@ -81,12 +82,12 @@ class LeadEngine:
         calls, self._calls = [*self._calls, (STEP,)], []
         try:
             share(calls, self.group)
-        except GroupFailed as e:
-            self._failed = e
-            print(f"llm-paged-mlx: {e}; stopping the server", file=sys.stderr, flush=True)
+            return self.engine.step()
+        except Exception as e:
+            self._failed = e if isinstance(e, GroupFailed) else GroupFailed(f"rank 0's step failed: {one_line(e)}")
+            print(f"llm-paged-mlx: {self._failed}; stopping the server", file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
-            raise
-        return self.engine.step()
+            raise self._failed from e
 
     def close(self) -> None:
         """Let the other ranks end (at the loop's end)."""
