@@ -248,8 +248,7 @@ def _wait_for_ranks(ranks: list) -> int:
 def _check_port(host: str, port: int) -> None:
     """ValueError if ``host:port`` cannot be listened on (checked before the ranks load the model)."""
     try:
-        with socket.create_server((host, port)):
-            pass
+        socket.create_server((host, port)).close()
     except OSError as e:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
