@@ -1,6 +1,5 @@
 """The ``llm paged-mlx`` commands: register, list, import and remove the plugin's models; serve one over HTTP."""
 
-import json
 import os
 import shutil
 import signal
@@ -14,6 +13,7 @@ from pathlib import Path
 import click
 import llm
 
+from . import ranks
 from .catalog import BUILTIN_MODELS, builtin_models, fetch_smollm2, imported_dir, kv_disk_dir, registered_models, user_models
 from .engines import ModelLoadError
 from .errors import one_line
@@ -156,12 +156,12 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body, tensor_
     try:
         max_body_bytes = parse_size(max_body)
         if tensor_parallel > 1:
-            if LAUNCHED_RANK not in os.environ:  # check here what every rank would refuse, then start them
+            if ranks.LAUNCHED_RANK not in os.environ:  # check here what every rank would refuse, then start them
                 _find_model(model_id)
                 _parse_options(dict(options))
                 _check_port(host, port)
                 raise SystemExit(_launch_ranks(tensor_parallel, backend, hostfile))
-            group = _join_group(tensor_parallel, backend)
+            group = ranks.join(tensor_parallel, backend)
             if group.rank() != 0:
                 return _follow(model_id, options, group)
         served = _served_model(model_id, dict(options), max_waiting, group)
@@ -174,8 +174,6 @@ def serve(model_id, host, port, api_key, options, max_waiting, max_body, tensor_
     run(served, host, port, api_key=api_key or None, max_body_bytes=max_body_bytes)
 
 
-LAUNCHED_RANK = "MLX_RANK"  # set in every rank (by mlx.launch, or by serve itself on this machine)
-LOCAL_BACKENDS = ("ring", "nccl")  # what serve starts on this machine without mlx.launch
 RANK_EXIT_WAIT_S = 10.0  # after one rank failed, how long the others may take to end before they are killed
 
 
@@ -188,50 +186,32 @@ def _launch_ranks(size: int, backend, hostfile) -> int:
     the others); SIGTERM and SIGHUP to this process are passed to rank 0 (or to ``mlx.launch``). When a
     rank fails, the others are ended.
     """
-    backend = backend or _default_backend()
+    backend = backend or ranks.default_backend()
     command = [sys.executable, *sys.orig_argv[1:]]
     if hostfile:
         launcher = Path(sys.executable).with_name("mlx.launch")
         if not launcher.is_file():
             raise ValueError(f"--hostfile needs mlx.launch beside {sys.executable} (it comes with mlx)")
-        ranks = [subprocess.Popen([str(launcher), "--backend", backend, "--hostfile", hostfile, "--", *command])]
-        return _wait_for_ranks(ranks)
-    if backend not in LOCAL_BACKENDS:
-        raise ValueError(f"--backend {backend} joins machines: give their --hostfile (see mlx.launch --help)")
+        started = [subprocess.Popen([str(launcher), "--backend", backend, "--hostfile", hostfile, "--", *command])]
+        return _wait_for_ranks(started)
     with tempfile.TemporaryDirectory(prefix="llm-paged-mlx-ranks-") as folder:
-        ranks = [subprocess.Popen(command, env={**os.environ, **env}) for env in _local_rank_env(size, backend, folder)]
-        return _wait_for_ranks(ranks)
+        envs = ranks.local_env(size, backend, folder)
+        return _wait_for_ranks([subprocess.Popen(command, env={**os.environ, **env}) for env in envs])
 
 
-def _local_rank_env(size: int, backend: str, folder: str) -> list[dict]:
-    """Each local rank's environment, as ``mlx.launch -n size --backend backend`` sets it."""
-    if backend == "nccl":
-        shared = {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(_free_port()), "MLX_WORLD_SIZE": str(size)}
-        return [{**shared, LAUNCHED_RANK: str(r), "CUDA_VISIBLE_DEVICES": str(r)} for r in range(size)]
-    hosts = Path(folder) / "hosts.json"
-    hosts.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(size)]))
-    return [{LAUNCHED_RANK: str(r), "MLX_HOSTFILE": str(hosts)} for r in range(size)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_for_ranks(ranks: list) -> int:
+def _wait_for_ranks(started: list) -> int:
     """Wait for every rank; pass SIGTERM and SIGHUP to the first; end the others once one fails."""
-    lead = ranks[0]
+    lead = started[0]
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, lambda signum, frame: lead.send_signal(signum))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the ranks themselves
     failed = None  # when a rank first failed
     while True:
-        running = [rank for rank in ranks if rank.poll() is None]
-        codes = [rank.returncode for rank in ranks if rank.returncode not in (None, 0)]
+        running = [rank for rank in started if rank.poll() is None]
+        codes = [rank.returncode for rank in started if rank.returncode not in (None, 0)]
         if codes and failed is None:
             failed = time.monotonic()
-            number = next(r for r, rank in enumerate(ranks) if rank.returncode not in (None, 0))
+            number = next(r for r, rank in enumerate(started) if rank.returncode not in (None, 0))
             if running:
                 click.echo(f"llm-paged-mlx: rank {number} ended with status {codes[0]}; ending the others", err=True)
             for rank in running:
@@ -253,24 +233,10 @@ def _check_port(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
-def _default_backend() -> str:
-    import mlx.core as mx
-
-    return "nccl" if mx.cuda.is_available() else "ring"
-
-
-def _join_group(size: int, backend):
-    """This rank's group, of ``size`` ranks; ValueError if mlx.launch started another number."""
-    import mlx.core as mx
-
-    backend = backend or _default_backend()
-    try:
-        group = mx.distributed.init(strict=True, backend=backend)
-    except RuntimeError as e:  # the backend is not in this build of MLX, or cannot connect
-        raise ValueError(f"--tensor-parallel: MLX's {backend} backend did not start ({one_line(e)})") from None
-    if group.size() != size:
-        raise ValueError(f"--tensor-parallel {size}, but mlx.launch started {group.size()} ranks")
-    return group
+def _stop_serving(failure: Exception) -> None:
+    """On rank 0, once its group failed: stop the server, as SIGTERM would (no request can run any more)."""
+    click.echo(f"llm-paged-mlx: {failure}; stopping the server", err=True)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _follow(model_id: str, options, group) -> None:
@@ -314,6 +280,8 @@ def _parse_options(options: dict):
 
     from .options import PagedOptions
 
+    if "tensor_parallel" in options:
+        raise ValueError("option tensor_parallel: serve takes --tensor-parallel N instead")
     try:
         return PagedOptions(**{**SERVE_DEFAULTS, **options})
     except ValidationError as e:
@@ -330,7 +298,7 @@ def _served_model(name: str, options: dict, max_waiting: int, group=None):
     model_id, source, fetch, aliases = _find_model(name)
     parsed = _parse_options(options)
     defaults = {k: v for k, v in vars(sampling_params(parsed)).items() if k in options or k == "max_tokens"}
-    loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting, group=group)
+    loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting, group=group, on_group_failure=_stop_serving)
     config = engine_options(parsed)
     click.echo(f"Loading {model_id}...", err=True)
     loop.prepare(config).result()

@@ -25,21 +25,31 @@ _DISK_CACHES: dict = {}  # one KVDiskCache per directory, model identity and bud
 
 
 def engine_loop(
-    model_id: str, source: str, fetch: Callable[[], str], max_waiting: Optional[int] = None, group=None
+    model_id: str,
+    source: str,
+    fetch: Callable[[], str],
+    max_waiting: Optional[int] = None,
+    tensor_parallel: int = 1,
+    group=None,
+    on_group_failure: Optional[Callable[[Exception], None]] = None,
 ) -> EngineLoop:
-    """The loop that serves ``model_id`` (from ``source``), started if needed.
+    """The loop that serves ``model_id`` (from ``source``) over ``tensor_parallel`` ranks, started if needed.
 
     Each request's config is its engine options (``options.engine_options``):
     other options rebuild the engine once the requests before them end, reusing
-    the loaded weights. With ``group`` (an ``mx.distributed`` group, on its rank
-    0) the model is sharded over the group's ranks, which follow this loop's
-    engine calls (``engine.mirror``).
+    the loaded weights. With ``tensor_parallel`` > 1 the model is sharded over
+    that many ranks on this machine, this process their rank 0, which start
+    with the first engine (``ranks.lead``). With ``group`` (an
+    ``mx.distributed`` group this process has joined as its rank 0) it is
+    sharded over the group's ranks, which follow this loop's engine calls
+    (``engine.mirror``); ``on_group_failure`` is told once if the group fails.
     """
+    size = group.size() if group is not None else tensor_parallel
     with _LOOPS_LOCK:
-        loop = _LOOPS.get((model_id, source))
+        loop = _LOOPS.get((model_id, source, size))
         if loop is None or loop.parked.is_set():
-            build = engine_builder(model_id, fetch, group)
-            loop = _LOOPS[model_id, source] = EngineLoop(build, max_waiting=max_waiting, on_stop=_close_disk_caches)
+            build = engine_builder(model_id, fetch, group, size, on_group_failure)
+            loop = _LOOPS[model_id, source, size] = EngineLoop(build, max_waiting=max_waiting, on_stop=_close_disk_caches)
         return loop
 
 
@@ -53,33 +63,39 @@ def stop_all() -> None:
     _close_disk_caches()
 
 
-def engine_builder(model_id: str, fetch: Callable[[], str], group=None):
+def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_parallel: int = 1,
+                   on_group_failure: Optional[Callable[[Exception], None]] = None):  # fmt: skip
     """``build(options, weights)``: the engine for ``options`` (on the loop's thread), with ``weights``
-    (model, tokenizer) if given. With ``group``, the engine is sharded over it: on rank 0 it is a
-    ``mirror.LeadEngine``, and the other ranks are told to build theirs first."""
+    (model, tokenizer) if given. With ``group``, or ``tensor_parallel`` > 1 (ranks this process starts at
+    the first build), the engine is sharded: on rank 0 it is a ``mirror.LeadEngine``, and the other ranks
+    are told to build theirs first. The disk tier is left out then (the ranks do not share one)."""
 
     def build(options: dict, weights):
+        from . import ranks
         from .engine import mirror
         from .engine.engine import Engine
         from .models.loading import load_model, resolve_model_path
 
-        lead = group is not None and group.rank() == 0
+        nonlocal group
         try:
+            folder = resolve_model_path(fetch())
+            if group is None and tensor_parallel > 1:
+                group = ranks.lead(tensor_parallel, str(folder), model_id)
+            lead = group is not None and group.rank() == 0
             if lead:
                 mirror.announce_build(options, group)
-            folder = resolve_model_path(fetch())
             model, tokenizer = weights or load_model(str(folder), lazy=group is not None)
             engine_kwargs = dict(options)
             disk_budget = engine_kwargs.pop("kv_disk_budget")
             quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
             disk = None
-            if disk_budget and options["enable_prefix_caching"]:
+            if disk_budget and options["enable_prefix_caching"] and group is None:
                 disk = disk_cache(folder, disk_budget, quantization)
             engine = Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json",
                             tensor_parallel=group, **engine_kwargs)  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:  # ModelFetchError is a RuntimeError
             raise ModelLoadError(f"{model_id}: {one_line(e)}") from None
-        return mirror.LeadEngine(engine, group) if lead else engine
+        return mirror.LeadEngine(engine, group, on_group_failure) if lead else engine
 
     return build
 

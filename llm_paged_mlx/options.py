@@ -64,6 +64,10 @@ class PagedOptions(BaseModel):
     max_num_batched_tokens: Optional[int] = Field(
         None, ge=1, description="Most tokens (prompt chunks and decoded tokens) in one step (default 2048)"
     )
+    tensor_parallel: Optional[int] = Field(
+        None, ge=1, description="Shard the model over this many processes on this machine, one per GPU (NVIDIA: nccl; "
+        "elsewhere: ring); the first prompt starts them. No KV disk tier then"
+    )
 
     @field_validator("kv_budget", mode="before")
     @classmethod

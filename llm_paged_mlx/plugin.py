@@ -14,7 +14,7 @@ from llm.parts import TextPart, ToolCallPart, ToolResultPart
 
 from . import chat
 from .catalog import builtin_models, registered_models
-from .engine.loop import Submission
+from .engine.loop import StepFailed, Submission
 from .engines import ModelLoadError, engine_loop
 from .errors import one_line
 from .options import PagedOptions, engine_options, sampling_params
@@ -132,7 +132,7 @@ class _PagedBase:
         except ValueError as e:
             raise llm.ModelError(one_line(e)) from None
         messages, tools = chat_messages(prompt), tool_specs(prompt)
-        loop = engine_loop(self.model_id, self.source, self.fetch)
+        loop = engine_loop(self.model_id, self.source, self.fetch, tensor_parallel=prompt.options.tensor_parallel or 1)
         render = lambda tokenizer: chat.render_prompt(tokenizer, messages, tools)  # noqa: E731
         return loop.submit(render, params, engine_options(prompt.options))
 
@@ -168,7 +168,7 @@ class PagedModel(_PagedBase, llm.Model):
                 report.add(chunk)
                 if text := answer.text(chunk):
                     yield text
-        except (ModelLoadError, ValueError) as e:  # ValueError: a prompt too long for the context or the pool
+        except (ModelLoadError, StepFailed, ValueError) as e:  # ValueError: a prompt too long for the context or pool
             raise llm.ModelError(one_line(e)) from None
         answer.record_calls(response)
         report.record(response)
@@ -183,7 +183,7 @@ class AsyncPagedModel(_PagedBase, llm.AsyncModel):
                 report.add(chunk)
                 if text := answer.text(chunk):
                     yield text
-        except (ModelLoadError, ValueError) as e:  # ValueError: a prompt too long for the context or the pool
+        except (ModelLoadError, StepFailed, ValueError) as e:  # ValueError: a prompt too long for the context or pool
             raise llm.ModelError(one_line(e)) from None
         answer.record_calls(response)
         report.record(response)

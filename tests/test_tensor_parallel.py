@@ -114,8 +114,9 @@ SERVED_PROMPTS = ["The capital of France is", "Once upon a time", "1, 2, 3,", "d
 SERVED_TOKENS = 12
 
 
-def tiny_model_folder(folder: Path) -> Path:
-    """A random llama of 4 query and 2 KV heads with SmolLM2's tokenizer, as an mlx-lm model folder."""
+def tiny_model_folder(folder: Path, chat_template: bool = True) -> Path:
+    """A random llama of 4 query and 2 KV heads with SmolLM2's tokenizer, as an mlx-lm model folder
+    (without a chat template, a chat prompt is its text: random weights answer a template with newlines)."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models import llama
@@ -128,8 +129,11 @@ def tiny_model_folder(folder: Path) -> Path:
     folder.mkdir()
     mx.save_safetensors(str(folder / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (folder / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        (folder / name).write_bytes((smollm2_dir() / name).read_bytes())
+    (folder / "tokenizer.json").write_bytes((smollm2_dir() / "tokenizer.json").read_bytes())
+    tokenizer_config = json.loads((smollm2_dir() / "tokenizer_config.json").read_text())
+    if not chat_template:
+        del tokenizer_config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     return folder
 
 
@@ -245,6 +249,77 @@ def test_a_served_rank_that_dies_stops_the_server_with_the_reason(tmp_path):
     assert "rank 1 ended with status -9; ending the others" in log or "the tensor-parallel group failed" in log, log
     # the dead rank's status (128 + SIGKILL), or rank 0's if it stopped first (128 + SIGTERM)
     assert served.left() == [] and served.process.returncode in (137, 143)
+
+
+# -- llm -m MODEL -o tensor_parallel N: this process leads, its followers are started for it ----------------
+
+LLM = Path(sys.executable).parent / "llm"
+
+
+def followers_of(folder: Path) -> list[str]:
+    """Follower processes still running for ``folder``."""
+    return subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True).stdout.split()
+
+
+def test_an_llm_prompt_over_two_ranks_gives_mlx_lm_text_and_leaves_no_follower(tmp_path):
+    """``llm -m MODEL -o tensor_parallel 2``: the llm process is rank 0 and starts rank 1 (ring, on the
+    CPU); the answers are mlx-lm's greedy text, and the follower ends with llm. A model whose heads do
+    not divide by the ranks is refused, by name, with status 1 and nothing left running."""
+    folder = tiny_model_folder(tmp_path / "tiny-llama", chat_template=False)
+    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
+    subprocess.run([LLM, "paged-mlx", "add", str(folder), "--alias", "tiny-tp"], env=env, check=True)
+    options = ["-o", "max_tokens", str(SERVED_TOKENS), "-o", "kv_budget", "32MB"]
+    for prompt in SERVED_PROMPTS[:2]:
+        run = subprocess.run([LLM, "-m", "tiny-tp", "-o", "tensor_parallel", "2", *options, prompt],
+                             env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert run.returncode == 0, run.stderr
+        assert run.stdout.strip() == mlx_lm_continuation(folder, prompt).strip()
+        assert followers_of(folder) == []
+    run = subprocess.run([LLM, "-m", "tiny-tp", "-o", "tensor_parallel", "3", *options, "Hello"],
+                         env=env, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert run.returncode == 1 and "Error: tiny-tp: llama: its 4 attention heads do not divide over 3" in run.stderr
+    assert followers_of(folder) == []
+
+
+def lead(case: str, folder: Path, timeout: float = 120):
+    """tests/tensor_parallel_lead.py's ``case`` over ``folder``, run to its end."""
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    command = [sys.executable, str(HERE / "tensor_parallel_lead.py"), case, str(folder)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_lead_whose_follower_dies_gets_the_reason_at_its_next_prompt(tmp_path):
+    folder = tiny_model_folder(tmp_path / "tiny-llama")
+    run = lead("follower-dies", folder)
+    assert run.returncode == 0 and "answered: " in run.stdout, run.stderr
+    assert "error: StepFailed: " in run.stdout and "the tensor-parallel group failed" in run.stdout, run.stdout
+    assert followers_of(folder) == []
+
+
+def test_followers_that_end_before_they_join_are_an_error_not_a_hang(tmp_path):
+    """The lead waits for its followers to be ready before it joins (a join waits for good for a rank that
+    never connects): one that ends first is an error naming it, and a later lead may try again."""
+    run = lead("follower-cannot-start", tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("error: _NotReady: tensor parallel: rank 1 ended with status 1 before it joined") == 2
+
+
+def test_a_follower_that_ends_while_joining_ends_the_lead_after_the_join_timeout(tmp_path):
+    run = lead("follower-dies-joining", tmp_path, timeout=60)
+    assert run.returncode == 1 and "joined" not in run.stdout
+    assert "Timeout" in run.stderr and "in join" in run.stderr, run.stderr
+
+
+def test_a_follower_ends_once_its_rank_zero_has_ended():
+    """A backend does not always notice a peer that is gone, so a follower also watches its parent: here a
+    parent that ends at once leaves a watcher that must end within a few checks."""
+    watcher = "import sys; from llm_paged_mlx import ranks; ranks._end_with_parent(int(sys.argv[1]))"
+    parent = f"import os, subprocess, sys; subprocess.Popen([sys.executable, '-c', {watcher!r}, str(os.getpid())])"
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-c", parent], env={**os.environ, "MLX_RANK": "1"}, capture_output=True,
+                         text=True, timeout=60)  # fmt: skip  (the pipe closes once the watcher has ended too)
+    assert "rank 1: rank 0 ended; ending too" in run.stderr
+    assert time.monotonic() - started < 30
 
 
 # -- the mirror protocol, in one process ---------------------------------------------------------------

@@ -16,11 +16,8 @@ rather than hangs.
 """
 
 import contextlib
-import os
 import pickle
-import signal
-import sys
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 import numpy as np
@@ -52,13 +49,14 @@ class LeadEngine:
 
     Everything else (its requests, stats, tokenizer, ...) is the engine's own. When the group fails, or
     a step fails here (the other ranks may have made theirs: retrying it alone would put the ranks out
-    of step), the process is sent SIGTERM once (the server stops: no request can run any more) and
-    every later step raises ``GroupFailed``.
+    of step), that step and every later one raise ``GroupFailed``, and ``on_failure`` gets it once (a
+    server stops: no request can run any more).
     """
 
-    def __init__(self, engine, group: mx.distributed.Group):
+    def __init__(self, engine, group: mx.distributed.Group, on_failure: Optional[Callable[[GroupFailed], None]] = None):
         self.engine = engine
         self.group = group
+        self.on_failure = on_failure
         self._calls: list[tuple] = []  # made since the last step, sent with the next
         self._failed: GroupFailed | None = None
 
@@ -85,8 +83,8 @@ class LeadEngine:
             return self.engine.step()
         except Exception as e:
             self._failed = e if isinstance(e, GroupFailed) else GroupFailed(f"rank 0's step failed: {one_line(e)}")
-            print(f"llm-paged-mlx: {self._failed}; stopping the server", file=sys.stderr, flush=True)
-            os.kill(os.getpid(), signal.SIGTERM)
+            if self.on_failure is not None:
+                self.on_failure(self._failed)
             raise self._failed from e
 
     def close(self) -> None:

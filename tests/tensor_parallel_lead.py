@@ -1,0 +1,66 @@
+"""Test helper: this process leads a tensor-parallel group whose followers it starts (``ranks.lead``), and
+something goes wrong (started by tests/test_tensor_parallel.py).
+
+    python tensor_parallel_lead.py CASE MODEL_FOLDER
+
+It prints each error it meets, one per line, as ``error: <type>: <message>``, and exits.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from llm_paged_mlx import engines, ranks
+from llm_paged_mlx.engine.request import SamplingParams
+from llm_paged_mlx.options import PagedOptions, engine_options
+
+CONFIG = engine_options(PagedOptions(kv_budget="32MB"))
+
+
+def report(error: Exception) -> None:
+    print(f"error: {type(error).__name__}: {error}", flush=True)
+
+
+def follower_dies(folder: str) -> None:
+    """A prompt runs over two ranks; then the follower is killed, and the next prompt gets an error."""
+    loop = engines.engine_loop("tiny", folder, lambda: folder, tensor_parallel=2)
+    text = "".join(chunk.text or "" for chunk in loop.submit("Hello", SamplingParams(max_tokens=4), CONFIG))
+    print(f"answered: {text!r}", flush=True)
+    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True)
+    os.kill(int(follower.stdout.split()[0]), signal.SIGKILL)
+    try:
+        list(loop.submit("Hello again", SamplingParams(max_tokens=4), CONFIG))
+    except Exception as e:
+        report(e)
+
+
+def follower_cannot_start(folder: str) -> None:
+    """The followers end before they join (here: their interpreter is one that exits at once); then any
+    later lead is refused."""
+    sys.executable = "/bin/false"
+    for _ in range(2):
+        try:
+            ranks.lead(2, folder, "tiny")
+        except ValueError as e:
+            report(e)
+
+
+def follower_dies_joining(folder: str) -> None:
+    """The follower says it is ready, then ends before it connects: the join would wait for good, so the
+    process ends after the join's timeout (shortened here)."""
+    fake = Path(tempfile.mkdtemp()) / "ready-then-gone"
+    fake.write_text(f"#!/bin/sh\nprintf '{ranks.READY.decode().strip()}\\n'\n")
+    fake.chmod(0o755)
+    sys.executable, ranks.JOIN_TIMEOUT_S = str(fake), 3.0
+    ranks.lead(2, folder, "tiny")
+    print("joined", flush=True)  # not reached
+
+
+CASES = {"follower-dies": follower_dies, "follower-cannot-start": follower_cannot_start,
+         "follower-dies-joining": follower_dies_joining}  # fmt: skip
+
+if __name__ == "__main__":
+    CASES[sys.argv[1]](sys.argv[2])
