@@ -21,6 +21,7 @@ here, so nothing is preempted; BatchGenerator grows its caches as it needs);
 preemptions are printed if any happen.
 
     python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable] [--eager]
+        [--prompt-tokens 32 160]
 
 ``--eager`` adds a column per kernel with compiled steps turned off.
 """
@@ -147,6 +148,8 @@ def main(argv=None):
     )
     parser.add_argument("--rounds", type=int, default=3, help="timed runs per system (median reported)")
     parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
+    parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[32, 160], metavar=("LOW", "HIGH"),
+                        help="each prompt's length is drawn between these")
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
@@ -154,7 +157,8 @@ def main(argv=None):
     model = build_model(module, config, dtype)
     vocab = (config.get("text_config") or config)["vocab_size"]
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
-          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}, {args.new_tokens} new tokens per request")
+          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}, prompts of {args.prompt_tokens[0]}-"
+          f"{args.prompt_tokens[1]} tokens, {args.new_tokens} new tokens per request")
     runner = Engine(model, num_blocks=4, verify_model=False).runner
     print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in runner.layouts):,}")
     if runner.state_layouts:
@@ -169,7 +173,7 @@ def main(argv=None):
     )
     print(header)
     for n in args.concurrency:
-        prompts = prompts_for(n, vocab, seed=n)
+        prompts = prompts_for(n, vocab, n, *args.prompt_tokens)
         systems = {"BatchGen": lambda: batch_generator_tps(model, prompts, args.new_tokens)}
         for kernel, compile_steps in columns:
             systems[kernel + ("" if compile_steps else "/eager")] = engine_runner(
