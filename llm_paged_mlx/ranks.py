@@ -78,10 +78,11 @@ def _free_port() -> int:
 
 
 class _Led:
-    """The group this process leads, the model its followers serve, and what their hostfile needs."""
+    """The group this process leads, the model its followers serve, the followers, and what their
+    hostfile needs."""
 
-    def __init__(self, size: int, folder: str, group, files: tempfile.TemporaryDirectory):
-        self.size, self.folder, self.group, self.files = size, folder, group, files
+    def __init__(self, size: int, folder: str, group, followers: list, files: tempfile.TemporaryDirectory):
+        self.size, self.folder, self.group, self.followers, self.files = size, folder, group, followers, files
 
 
 _LED: Optional[_Led] = None
@@ -101,6 +102,8 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
             if (_LED.size, _LED.folder) != (size, folder):
                 raise ValueError(f"this process already runs {_LED.folder} over {_LED.size} ranks: one "
                                  "tensor-parallel model per process")  # fmt: skip
+            if any(follower.poll() is not None for follower in _LED.followers):  # told to stop, or dead
+                raise ValueError("tensor parallel: the other ranks of this process have ended; restart the process")
             return _LED.group
         if _JOIN_FAILED is not None:
             raise ValueError(f"tensor parallel: the ranks could not start ({_JOIN_FAILED}); restart the process")
@@ -120,7 +123,7 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
                 follower.kill()
             _JOIN_FAILED = one_line(e) if not isinstance(e, _NotReady) else None
             raise
-        _LED = _Led(size, folder, group, files)
+        _LED = _Led(size, folder, group, followers, files)
         return group
 
 

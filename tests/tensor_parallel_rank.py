@@ -11,6 +11,7 @@ import os
 import sys
 
 import mlx.core as mx
+import mlx.nn as nn
 from models import tiny_model
 from smollm2 import smollm2_dir
 from test_engine import random_prompts
@@ -60,6 +61,17 @@ def tiny(group, arch: str) -> dict:
     }
 
 
+def quantized(group, arch: str) -> dict:
+    """A 4-bit tiny model's greedy tokens, and the classes of its sharded layers (which fold a step's rows)."""
+    model = tiny_model(arch)
+    nn.quantize(model, group_size=32, bits=4)
+    engine = Engine(model, num_blocks=40, tensor_parallel=group)
+    prompts, _ = requests()
+    outputs = engine.generate(prompts[:3], SamplingParams(max_tokens=MAX_TOKENS))
+    sharded = {type(m).__name__ for _, m in model.named_modules() if "Sharded" in type(m).__name__}
+    return {"tokens": [o.token_ids for o in outputs], "sharded_layers": sorted(sharded)}
+
+
 def refused(group, arch: str) -> dict:
     """The errors of engines that cannot be tensor-parallel."""
     sharded = tiny_model(arch)
@@ -101,7 +113,8 @@ def dies(group, arch: str) -> dict:
 
 def main(case: str, arch: str, out: str):
     group = mx.distributed.init(strict=True, backend="ring")
-    result = {"smollm2": smollm2, "tiny": tiny, "refused": refused, "dies": dies}[case](group, arch)
+    cases = {"smollm2": smollm2, "tiny": tiny, "quantized": quantized, "refused": refused, "dies": dies}
+    result = cases[case](group, arch)
     with open(out, "w") as f:
         json.dump({"rank": group.rank(), **result}, f)
 

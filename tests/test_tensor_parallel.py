@@ -14,6 +14,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import mlx.nn as nn
 import pytest
 from models import tiny_model
 from smollm2 import smollm2_dir
@@ -78,6 +79,16 @@ def test_two_ranks_give_mlx_lm_tokens_and_the_same_samples(tmp_path, arch):
         assert rank["kv_heads"] == model.layers[0].self_attn.n_kv_heads // RANKS
         assert rank["preemptions"] > 0 and rank["prefix_cache_hit_tokens"] > 0
         assert rank["free_blocks"] == rank["num_blocks"]
+
+
+def test_a_4_bit_model_over_two_ranks_gives_mlx_lm_tokens_with_its_sharded_layers_folding_rows(tmp_path):
+    ranks = run_ranks(tmp_path, "quantized", "llama")
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    prompts, _ = requests()
+    for rank in ranks:
+        assert rank["tokens"] == [reference(model, prompt, MAX_TOKENS) for prompt in prompts[:3]]
+        assert rank["sharded_layers"] == ["RowFoldedQuantizedAllToShardedLinear", "RowFoldedQuantizedShardedToAllLinear"]
 
 
 def test_what_cannot_be_split_or_would_decide_differently_on_each_rank_is_refused(tmp_path):
@@ -292,7 +303,10 @@ def test_a_lead_whose_follower_dies_gets_the_reason_at_its_next_prompt(tmp_path)
     folder = tiny_model_folder(tmp_path / "tiny-llama")
     run = lead("follower-dies", folder)
     assert run.returncode == 0 and "answered: " in run.stdout, run.stderr
-    assert "error: StepFailed: " in run.stdout and "the tensor-parallel group failed" in run.stdout, run.stdout
+    first, again = [line for line in run.stdout.splitlines() if line.startswith("error: ")]
+    assert first.startswith("error: StepFailed: ") and "the tensor-parallel group failed" in first, run.stdout
+    assert again == "error: ModelLoadError: tiny: tensor parallel: the other ranks of this process have ended; " \
+                    "restart the process"
     assert followers_of(folder) == []
 
 

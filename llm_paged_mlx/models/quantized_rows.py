@@ -1,4 +1,5 @@
-"""Layers that multiply a step's rows as one matrix: quantized linear layers and MLA's per-head ones.
+"""Layers that multiply a step's rows as one matrix: quantized linear layers (sharded ones too) and MLA's
+per-head ones.
 
 Engine steps feed the model inputs of shape ``(T, 1)``: every token is its own
 batch row, at its own position. ``mx.matmul`` folds such a batch into one
@@ -30,6 +31,16 @@ class RowFoldedQuantizedLinear(nn.QuantizedLinear):
         return _folded(super().__call__, x)
 
 
+class RowFoldedQuantizedAllToShardedLinear(nn.QuantizedAllToShardedLinear):
+    def __call__(self, x):
+        return _folded(super().__call__, x)
+
+
+class RowFoldedQuantizedShardedToAllLinear(nn.QuantizedShardedToAllLinear):
+    def __call__(self, x):
+        return _folded(super().__call__, x)
+
+
 class RowFoldedQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
         return _folded(super().as_linear, x)
@@ -53,6 +64,8 @@ class RowFoldedQuantizedMultiLinear(QuantizedMultiLinear):
 
 _FOLDED = {
     nn.QuantizedLinear: RowFoldedQuantizedLinear,
+    nn.QuantizedAllToShardedLinear: RowFoldedQuantizedAllToShardedLinear,  # as mlx-lm's shard() leaves them
+    nn.QuantizedShardedToAllLinear: RowFoldedQuantizedShardedToAllLinear,
     nn.QuantizedEmbedding: RowFoldedQuantizedEmbedding,
     MultiLinear: RowFoldedMultiLinear,
     QuantizedMultiLinear: RowFoldedQuantizedMultiLinear,
@@ -60,8 +73,8 @@ _FOLDED = {
 
 
 def fold_quantized_rows(model: nn.Module) -> int:
-    """Make the model's quantized linear and MLA per-head layers (exactly MLX's and mlx-lm's classes) fold rows;
-    returns how many changed."""
+    """Make the model's quantized linear (sharded or not) and MLA per-head layers (exactly MLX's and mlx-lm's
+    classes) fold rows; returns how many changed."""
     changed = 0
     for _, module in model.named_modules():
         folded = _FOLDED.get(type(module))
