@@ -74,17 +74,20 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
         from . import ranks
         from .engine import mirror
         from .engine.engine import Engine
+        from .engine.tensor_parallel import check_shardable
         from .models.loading import load_model, resolve_model_path
 
         nonlocal group
         try:
             folder = resolve_model_path(fetch())
-            if group is None and tensor_parallel > 1:
+            sharded = group is not None or tensor_parallel > 1
+            model, tokenizer = weights or load_model(str(folder), lazy=sharded)  # lazy: each rank reads its shard
+            if group is None and sharded:
+                check_shardable(model, tensor_parallel)  # before any other rank starts
                 group = ranks.lead(tensor_parallel, str(folder), model_id)
             lead = group is not None and group.rank() == 0
             if lead:
                 mirror.announce_build(options, group)
-            model, tokenizer = weights or load_model(str(folder), lazy=group is not None)
             engine_kwargs = dict(options)
             disk_budget = engine_kwargs.pop("kv_disk_budget")
             quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None

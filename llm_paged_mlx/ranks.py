@@ -62,13 +62,19 @@ def local_env(size: int, backend: str, folder: str) -> list[dict]:
     if backend == "nccl":
         shared = {"NCCL_HOST_IP": "127.0.0.1", "NCCL_PORT": str(_free_port()), "MLX_WORLD_SIZE": str(size)}
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        gpus = visible.split(",") if visible else [str(r) for r in range(size)]
+        gpus = [g for g in visible.split(",") if g] if visible is not None else [str(g) for g in range(_gpu_count())]
         if len(gpus) < size:
-            raise ValueError(f"tensor parallel over {size} GPUs, but CUDA_VISIBLE_DEVICES names {len(gpus)}")
+            raise ValueError(f"tensor parallel over {size} GPUs, but this process sees {len(gpus)}")
         return [{**shared, LAUNCHED_RANK: str(r), "CUDA_VISIBLE_DEVICES": gpus[r]} for r in range(size)]
     hosts = Path(folder) / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{_free_port()}"] for _ in range(size)]))
     return [{LAUNCHED_RANK: str(r), "MLX_HOSTFILE": str(hosts)} for r in range(size)]
+
+
+def _gpu_count() -> int:
+    import mlx.core as mx
+
+    return mx.device_count(mx.gpu)
 
 
 def _free_port() -> int:
@@ -100,8 +106,8 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
     with _LED_LOCK:
         if _LED is not None:
             if (_LED.size, _LED.folder) != (size, folder):
-                raise ValueError(f"this process already runs {_LED.folder} over {_LED.size} ranks: one "
-                                 "tensor-parallel model per process")  # fmt: skip
+                raise ValueError(f"this process already runs {_LED.folder} over {_LED.size} ranks: one model "
+                                 "and one number of ranks per process")  # fmt: skip
             if any(follower.poll() is not None for follower in _LED.followers):  # told to stop, or dead
                 raise ValueError("tensor parallel: the other ranks of this process have ended; restart the process")
             return _LED.group
@@ -111,8 +117,10 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
         backend = backend or default_backend()
         envs = local_env(size, backend, files.name)
         command = [sys.executable, "-m", __name__, folder, model_id, backend, str(size), str(os.getpid())]
+        safe_path = {"PYTHONSAFEPATH": "1"}  # -m would put the current directory first on the import path
         followers = [
-            subprocess.Popen(command, env={**os.environ, **env}, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+            subprocess.Popen(command, env={**os.environ, **safe_path, **env}, stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE)  # fmt: skip
             for env in envs[1:]
         ]
         try:

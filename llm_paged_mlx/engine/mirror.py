@@ -76,7 +76,7 @@ class LeadEngine:
 
     def step(self):
         if self._failed is not None:
-            raise self._failed
+            raise GroupFailed(f"{self._failed} (earlier; restart to run over the ranks again)")
         calls, self._calls = [*self._calls, (STEP,)], []
         try:
             share(calls, self.group)

@@ -32,6 +32,19 @@ def shard_model(model, group: mx.distributed.Group) -> None:
     """Shard ``model`` in place over ``group``; ValueError if mlx-lm cannot shard it: its architecture has no
     ``shard()``, its heads (or other sizes) do not divide by the group's size."""
     size, name = group.size(), architecture(model)
+    check_shardable(model, size)
+    try:
+        model.shard(group)
+    except (ValueError, AssertionError, AttributeError) as e:  # sizes mlx-lm checks as it goes, or its own bugs
+        raise ValueError(f"{name}: mlx-lm cannot shard it over {size} devices ({e}); the model is left "
+                         "partly sharded")  # fmt: skip
+    mx.eval(model.parameters())
+
+
+def check_shardable(model, size: int) -> None:
+    """ValueError if ``model`` (its weights may still be lazy) cannot be sharded over ``size`` devices: its
+    architecture has no ``shard()``, or its heads do not divide by ``size``."""
+    name = architecture(model)
     if not hasattr(model, "shard"):
         raise ValueError(f"{name}: mlx-lm cannot shard this architecture over devices (its model has no shard())")
     config = model_config(model)
@@ -41,12 +54,6 @@ def shard_model(model, group: mx.distributed.Group) -> None:
             if isinstance(heads, int) and heads % size:
                 raise ValueError(f"{name}: its {heads} {field.replace('num_', '').replace('_', ' ')} do not divide "
                                  f"over {size} devices")  # fmt: skip
-    try:
-        model.shard(group)
-    except (ValueError, AssertionError, AttributeError) as e:  # sizes mlx-lm checks as it goes, or its own bugs
-        raise ValueError(f"{name}: mlx-lm cannot shard it over {size} devices ({e}); the model is left "
-                         "partly sharded")  # fmt: skip
-    mx.eval(model.parameters())
 
 
 def check_same_options(options: dict, group: mx.distributed.Group) -> None:
