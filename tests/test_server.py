@@ -615,6 +615,23 @@ assert signal.getsignal(signal.SIGINT) is exit_at_once  # and a second signal en
 """
 
 
+def test_after_uvicorn_its_exit_signal_ends_run_and_a_second_signal_ends_the_process(monkeypatch):
+    """uvicorn puts back the handler it found and raises its exit signal again: that ends ``run``; a second
+    Ctrl-C while asyncio then shuts down ends the process at once (a KeyboardInterrupt there left uvloop's
+    executor thread calling a closed loop, with a traceback)."""
+    import llm_paged_mlx.server as server
+
+    def exit_at_once(signum, frame):
+        raise SystemExit(128 + signum)
+
+    monkeypatch.setattr(server, "exit_at_once", exit_at_once)
+    handler = server._InterruptOnce()
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+    with pytest.raises(SystemExit, match="130"):
+        handler(signal.SIGINT, None)
+
+
 def test_an_exit_signal_that_lands_inside_submit_does_not_deadlock():
     run = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_SUBMIT], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

@@ -22,9 +22,9 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     """
     app = create_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
-    # uvicorn raises the signal it caught again once it has shut down: let SIGTERM, like SIGINT, end this
-    # call with KeyboardInterrupt rather than the process with status 143.
-    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # uvicorn puts back the handlers it replaced once it has shut down, then raises the signal it caught again.
+    after = _InterruptOnce()
+    previous = {signum: signal.signal(signum, after) for signum in (signal.SIGINT, signal.SIGTERM)}
     # The event loop's thread and the engine loop's take turns at the GIL; by default a thread that waits for it
     # gets it after 5 ms, which the engine loop, waking from the device every step, would wait at each step.
     switch_interval = sys.getswitchinterval()
@@ -34,8 +34,24 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     except KeyboardInterrupt:
         pass
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
         sys.setswitchinterval(switch_interval)
+
+
+class _InterruptOnce:
+    """The SIGINT and SIGTERM handler while the server runs, under uvicorn's: its first call (uvicorn raising
+    the exit signal it caught again) ends ``run`` with KeyboardInterrupt rather than the process with 143;
+    a signal after that (the user's second, while asyncio shuts down) ends the process at once."""
+
+    def __init__(self):
+        self.called = False
+
+    def __call__(self, signum, frame):
+        if self.called:
+            exit_at_once(signum, frame)
+        self.called = True
+        raise KeyboardInterrupt
 
 
 class _Server(uvicorn.Server):
