@@ -70,6 +70,8 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
     the first build), the engine is sharded: on rank 0 it is a ``mirror.LeadEngine``, and the other ranks
     are told to build theirs first. The disk tier is left out then (the ranks do not share one)."""
 
+    doorbell = None  # with ranks this process starts: wakes them for each message (mirror.share)
+
     def build(options: dict, weights):
         from . import ranks
         from .engine import mirror
@@ -77,17 +79,17 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
         from .engine.tensor_parallel import check_shardable
         from .models.loading import load_model, resolve_model_path
 
-        nonlocal group
+        nonlocal group, doorbell
         try:
             folder = resolve_model_path(fetch())
             sharded = group is not None or tensor_parallel > 1
             model, tokenizer = weights or load_model(str(folder), lazy=sharded)  # lazy: each rank reads its shard
             if group is None and sharded:
                 check_shardable(model, tensor_parallel)  # before any other rank starts
-                group = ranks.lead(tensor_parallel, str(folder), model_id)
+                group, doorbell = ranks.lead(tensor_parallel, str(folder), model_id)
             lead = group is not None and group.rank() == 0
             if lead:
-                mirror.announce_build(options, group)
+                mirror.announce_build(options, group, doorbell)
             engine_kwargs = dict(options)
             disk_budget = engine_kwargs.pop("kv_disk_budget")
             quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
@@ -98,7 +100,7 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
                             tensor_parallel=group, **engine_kwargs)  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:  # ModelFetchError is a RuntimeError
             raise ModelLoadError(f"{model_id}: {one_line(e)}") from None
-        return mirror.LeadEngine(engine, group, on_group_failure) if lead else engine
+        return mirror.LeadEngine(engine, group, on_group_failure, doorbell) if lead else engine
 
     return build
 

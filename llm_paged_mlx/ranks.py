@@ -30,6 +30,7 @@ LOCAL_BACKENDS = ("ring", "nccl")  # the backends that start ranks on this machi
 JOIN_TIMEOUT_S = 120.0  # how long lead waits for its followers to start and connect
 PARENT_CHECK_S = 1.0  # how often a follower checks that its rank 0 is still running
 READY = b"ready\n"  # what a follower says once it is about to join
+DOORBELL = b"!"  # what rank 0 writes to each follower's stdin before a message
 
 
 def default_backend() -> str:
@@ -90,6 +91,15 @@ class _Led:
     def __init__(self, size: int, folder: str, group, followers: list, files: tempfile.TemporaryDirectory):
         self.size, self.folder, self.group, self.followers, self.files = size, folder, group, followers, files
 
+    def ring(self) -> None:
+        """Wake the followers for a message (each waits for a byte on its stdin: ``_wait_for_rank_zero``)."""
+        for rank, follower in enumerate(self.followers, 1):
+            try:
+                follower.stdin.write(DOORBELL)
+                follower.stdin.flush()
+            except OSError:  # its end of the pipe is closed: it has ended
+                raise RuntimeError(f"rank {rank} has ended (status {follower.poll()})") from None
+
 
 _LED: Optional[_Led] = None
 _LED_LOCK = threading.Lock()
@@ -97,8 +107,9 @@ _JOIN_FAILED: Optional[str] = None  # why this process could not start its group
 
 
 def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
-    """The group of ``size`` ranks on this machine that this process leads as rank 0, started if needed:
-    the other ranks follow the engines built from the model in ``folder``.
+    """The group of ``size`` ranks on this machine that this process leads as rank 0, started if needed,
+    and its doorbell (for ``mirror.share``): the other ranks follow the engines built from the model in
+    ``folder``.
 
     A process joins one group in its life, so it leads ranks for one model and size; ValueError for
     another, or when the ranks could not start (then for good)."""
@@ -110,7 +121,7 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
                                  "and one number of ranks per process")  # fmt: skip
             if any(follower.poll() is not None for follower in _LED.followers):  # told to stop, or dead
                 raise ValueError("tensor parallel: the other ranks of this process have ended; restart the process")
-            return _LED.group
+            return _LED.group, _LED.ring
         if _JOIN_FAILED is not None:
             raise ValueError(f"tensor parallel: the ranks could not start ({_JOIN_FAILED}); restart the process")
         files = tempfile.TemporaryDirectory(prefix="llm-paged-mlx-ranks-")  # removed at this process's exit
@@ -119,7 +130,7 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
         command = [sys.executable, "-m", __name__, folder, model_id, backend, str(size), str(os.getpid())]
         safe_path = {"PYTHONSAFEPATH": "1"}  # -m would put the current directory first on the import path
         followers = [
-            subprocess.Popen(command, env={**os.environ, **safe_path, **env}, stdin=subprocess.DEVNULL,
+            subprocess.Popen(command, env={**os.environ, **safe_path, **env}, stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE)  # fmt: skip
             for env in envs[1:]
         ]
@@ -132,7 +143,7 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
             _JOIN_FAILED = one_line(e) if not isinstance(e, _NotReady) else None
             raise
         _LED = _Led(size, folder, group, followers, files)
-        return group
+        return group, _LED.ring
 
 
 class _NotReady(ValueError):
@@ -179,9 +190,15 @@ def follow(folder: str, model_id: str, backend: str, size: int, lead_pid: int) -
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     try:
         group = join(size, backend)
-        mirror.follow(engine_builder(model_id, lambda: folder, group), group)
+        mirror.follow(engine_builder(model_id, lambda: folder, group), group, _wait_for_rank_zero)
     except Exception as e:  # the group failed, or this rank's engine: rank 0's next collective fails too
         sys.exit(f"llm-paged-mlx: rank {os.environ.get(LAUNCHED_RANK)} of the tensor-parallel group: {one_line(e)}")
+
+
+def _wait_for_rank_zero() -> None:
+    """A follower's doorbell: wait (without polling) until rank 0 rings, or has ended."""
+    if os.read(sys.stdin.fileno(), 1) != DOORBELL:
+        raise RuntimeError("rank 0 has ended")
 
 
 def _end_with_parent(parent: int) -> None:

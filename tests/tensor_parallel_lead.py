@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from llm_paged_mlx import engines, ranks
@@ -41,6 +42,24 @@ def follower_dies(folder: str) -> None:
         loop = engines.engine_loop("tiny", folder, lambda: folder, tensor_parallel=2)
 
 
+def follower_idles(folder: str) -> None:
+    """After a prompt, the follower waits for the next without polling: prints the share of a core it used
+    over 3 s of rank 0 idle."""
+    loop = engines.engine_loop("tiny", folder, lambda: folder, tensor_parallel=2)
+    list(loop.submit("Hello", SamplingParams(max_tokens=4), CONFIG))
+    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True)
+    stat = Path(f"/proc/{follower.stdout.split()[0]}/stat")
+
+    def cpu_seconds() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    time.sleep(0.5)  # past the step's own end
+    before = cpu_seconds()
+    time.sleep(3)
+    print(f"idle follower: {(cpu_seconds() - before) / 3:.3f} of a core", flush=True)
+
+
 def follower_cannot_start(folder: str) -> None:
     """The followers end before they join (here: their interpreter is one that exits at once); then any
     later lead is refused."""
@@ -63,7 +82,7 @@ def follower_dies_joining(folder: str) -> None:
     print("joined", flush=True)  # not reached
 
 
-CASES = {"follower-dies": follower_dies, "follower-cannot-start": follower_cannot_start,
+CASES = {"follower-dies": follower_dies, "follower-idles": follower_idles, "follower-cannot-start": follower_cannot_start,
          "follower-dies-joining": follower_dies_joining}  # fmt: skip
 
 if __name__ == "__main__":

@@ -314,6 +314,15 @@ def test_a_lead_whose_follower_dies_gets_the_reason_at_its_next_prompt(tmp_path)
     assert followers_of(folder) == []
 
 
+def test_an_idle_follower_waits_for_rank_zero_without_polling(tmp_path):
+    """Between messages a follower waits on its doorbell (a byte on its stdin), not in a collective,
+    whose wait on ``ring`` keeps a core busy."""
+    run = lead("follower-idles", tiny_model_folder(tmp_path / "tiny-llama"))
+    assert run.returncode == 0, run.stderr
+    share = float(run.stdout.split("idle follower: ")[1].split()[0])
+    assert share < 0.2, run.stdout
+
+
 def test_followers_that_end_before_they_join_are_an_error_not_a_hang(tmp_path):
     """The lead waits for its followers to be ready before it joins (a join waits for good for a rank that
     never connects): one that ends first is an error naming it, and a later lead may try again."""
@@ -351,7 +360,7 @@ def test_a_follower_makes_rank_zeros_calls_under_its_own_request_ids(monkeypatch
     params = SamplingParams(max_tokens=8)
     messages = [[(mirror.BUILD, {})], [(mirror.ADD, 100 + i, p, params) for i, p in enumerate(prompts)] + [(mirror.STEP,)],
                 [(mirror.ABORT, 101), (mirror.STEP,)]] + [[(mirror.STEP,)]] * 12 + [[(mirror.STOP,)]]  # fmt: skip
-    monkeypatch.setattr(mirror, "share", lambda message, group: messages.pop(0))
+    monkeypatch.setattr(mirror, "share", lambda message, group, doorbell: messages.pop(0))
     built, tokens = [], {}
 
     def build(options, weights):
@@ -378,7 +387,7 @@ def test_a_follower_makes_rank_zeros_calls_under_its_own_request_ids(monkeypatch
 
 
 def test_rank_zero_is_told_once_when_the_group_fails(monkeypatch):
-    def failed(message, group):
+    def failed(message, group, doorbell):
         raise mirror.GroupFailed("the tensor-parallel group failed: [ring] connection to a peer was lost")
 
     failures = []
@@ -396,7 +405,7 @@ def test_rank_zero_is_told_once_when_the_group_fails(monkeypatch):
 def test_a_step_that_fails_on_rank_zero_fails_the_group_rather_than_retry_alone(monkeypatch):
     """The other ranks may have made the step: rank 0 retrying it alone would put them out of step."""
     failures = []
-    monkeypatch.setattr(mirror, "share", lambda message, group: None)
+    monkeypatch.setattr(mirror, "share", lambda message, group, doorbell: None)
     engine = Engine(tiny_model("llama"), num_blocks=8)
     lead = mirror.LeadEngine(engine, group=None, on_failure=failures.append)
     lead.add_request([1, 2, 3], SamplingParams(max_tokens=4))

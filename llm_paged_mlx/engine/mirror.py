@@ -31,10 +31,15 @@ class GroupFailed(RuntimeError):
     """A collective of the tensor-parallel group failed: a rank died or the group is out of step."""
 
 
-def share(message, group: mx.distributed.Group):
-    """Rank 0's ``message`` (any picklable object), on every rank; the others pass None."""
+def share(message, group: mx.distributed.Group, doorbell: Optional[Callable[[], None]] = None):
+    """Rank 0's ``message`` (any picklable object), on every rank; the others pass None.
+
+    A collective's wait polls (a whole core, on ``ring``), so ranks that have a ``doorbell`` wait on it
+    instead: on rank 0 it wakes the others, which wait in theirs until it does."""
     data = pickle.dumps(message) if group.rank() == 0 else b""
     try:
+        if doorbell is not None:
+            doorbell()
         size = mx.distributed.all_sum(mx.array([len(data)], mx.int32), group=group).item()
         sent = np.frombuffer(data, np.uint8) if data else np.zeros(size, np.uint8)
         received = mx.distributed.all_sum(mx.array(sent), group=group)
@@ -53,10 +58,12 @@ class LeadEngine:
     server stops: no request can run any more).
     """
 
-    def __init__(self, engine, group: mx.distributed.Group, on_failure: Optional[Callable[[GroupFailed], None]] = None):
+    def __init__(self, engine, group: mx.distributed.Group, on_failure: Optional[Callable[[GroupFailed], None]] = None,
+                 doorbell: Optional[Callable[[], None]] = None):  # fmt: skip
         self.engine = engine
         self.group = group
         self.on_failure = on_failure
+        self.doorbell = doorbell
         self._calls: list[tuple] = []  # made since the last step, sent with the next
         self._failed: GroupFailed | None = None
 
@@ -79,7 +86,7 @@ class LeadEngine:
             raise GroupFailed(f"{self._failed} (earlier; restart to run over the ranks again)")
         calls, self._calls = [*self._calls, (STEP,)], []
         try:
-            share(calls, self.group)
+            share(calls, self.group, self.doorbell)
             return self.engine.step()
         except Exception as e:
             self._failed = e if isinstance(e, GroupFailed) else GroupFailed(f"rank 0's step failed: {one_line(e)}")
@@ -91,23 +98,25 @@ class LeadEngine:
         """Let the other ranks end (at the loop's end)."""
         if self._failed is None:
             with contextlib.suppress(GroupFailed):
-                share([(STOP,)], self.group)
+                share([(STOP,)], self.group, self.doorbell)
 
 
-def announce_build(options: dict, group: mx.distributed.Group) -> None:
+def announce_build(options: dict, group: mx.distributed.Group, doorbell: Optional[Callable[[], None]] = None) -> None:
     """On rank 0, before it builds an engine for ``options``: the other ranks build theirs."""
-    share([(BUILD, options)], group)
+    share([(BUILD, options)], group, doorbell)
 
 
-def follow(build: Callable[[dict, object], object], group: mx.distributed.Group) -> None:
-    """On a rank other than 0: make rank 0's engine calls on this rank's engines until rank 0 stops.
+def follow(build: Callable[[dict, object], object], group: mx.distributed.Group,
+           doorbell: Optional[Callable[[], None]] = None) -> None:  # fmt: skip
+    """On a rank other than 0: make rank 0's engine calls on this rank's engines until rank 0 stops
+    (waiting in ``doorbell``, if given, for each message).
 
     ``build(options, weights)`` makes an engine as rank 0's does. Raises ``GroupFailed`` when the group
     fails, and what the engine raised when a call that succeeded on rank 0 fails here (the ranks are then
     out of step)."""
     engine, own, lead = None, {}, {}  # rank 0's request id -> this engine's, and back
     while True:
-        for call, *args in share(None, group):
+        for call, *args in share(None, group, doorbell):
             if call == BUILD:
                 weights = (engine.model, engine.tokenizer) if engine is not None else None
                 engine, own, lead = None, {}, {}  # its pool goes before the new engine allocates one
