@@ -6,7 +6,8 @@ model prompted with ``-o tensor_parallel N`` (``llm -m``, or
 starts the other ranks as followers (``python -m llm_paged_mlx.ranks``), which
 make rank 0's engine calls on their shards (``engine.mirror``) and end when
 rank 0 does: it tells them at its loop's end, and if it dies they find it
-gone.
+gone. Between messages they sleep on a doorbell: a byte rank 0 writes to
+their stdin before each.
 """
 
 import faulthandler
