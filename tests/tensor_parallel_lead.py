@@ -1,5 +1,5 @@
-"""Test helper: this process leads a tensor-parallel group whose followers it starts (``ranks.lead``), and
-something goes wrong (started by tests/test_tensor_parallel.py).
+"""Test helper: this process leads a tensor-parallel group whose followers it starts (``ranks.lead``), and a
+follower fails or idles (started by tests/test_tensor_parallel.py).
 
     python tensor_parallel_lead.py CASE MODEL_FOLDER
 
@@ -61,8 +61,8 @@ def follower_idles(folder: str) -> None:
 
 
 def follower_cannot_start(folder: str) -> None:
-    """The followers end before they join (here: their interpreter is one that exits at once); then any
-    later lead is refused."""
+    """The followers end before they join (here: their interpreter is one that exits at once); a later lead
+    tries again (and here fails the same way)."""
     sys.executable = "/bin/false"
     for _ in range(2):
         try:
