@@ -240,18 +240,10 @@ def _stop_serving(failure: Exception) -> None:
 
 
 def _follow(model_id: str, options, group) -> None:
-    """A rank other than 0: build and step its shard of the engine as rank 0 says, until rank 0 stops. Ctrl-C
-    is left to rank 0."""
-    from .engine import mirror
-    from .engines import engine_builder
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    """A rank other than 0: check what rank 0 checks, then ``ranks.replay`` its engine calls."""
     _, _, fetch, _ = _find_model(model_id)
     _parse_options(dict(options))  # the same errors as rank 0's, before rank 0 asks for an engine
-    try:
-        mirror.follow(engine_builder(model_id, fetch, group), group)
-    except Exception as e:  # the group failed, or this rank's engine: its peers' next collective fails too
-        raise click.ClickException(f"rank {group.rank()} of the tensor-parallel group: {one_line(e)}")
+    ranks.replay(model_id, fetch, group)
 
 
 def _find_model(name: str):

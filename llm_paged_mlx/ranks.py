@@ -179,21 +179,31 @@ def _join_as_rank_zero(size: int, backend: str, env: dict):
         os.environ.update(saved)
 
 
-def follow(folder: str, model_id: str, backend: str, size: int, lead_pid: int) -> None:
-    """A follower started by ``lead``: join, then make rank 0's engine calls until rank 0 stops.
-    Ctrl-C is left to rank 0 (a terminal sends it to every process of the job)."""
+def replay(model_id: str, fetch, group, doorbell=None) -> None:
+    """On a rank other than 0: build and step this rank's engines as rank 0 says (``mirror.follow``) until
+    it stops; the process ends with the reason if the group or this rank's engine fails (rank 0's next
+    collective fails too). Ctrl-C is left to rank 0 (a terminal sends it to every process of the job)."""
     from .engine import mirror
     from .engines import engine_builder
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        mirror.follow(engine_builder(model_id, fetch, group), group, doorbell)
+    except Exception as e:
+        sys.exit(f"llm-paged-mlx: rank {group.rank()} of the tensor-parallel group: {one_line(e)}")
+
+
+def follow(folder: str, model_id: str, backend: str, size: int, lead_pid: int) -> None:
+    """A follower started by ``lead``: join, then ``replay`` with a doorbell until rank 0 stops."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_end_with_parent, args=(lead_pid,), daemon=True).start()
     os.write(sys.stdout.fileno(), READY)  # then nothing more goes to the pipe rank 0 read that from
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     try:
         group = join(size, backend)
-        mirror.follow(engine_builder(model_id, lambda: folder, group), group, _wait_for_rank_zero)
-    except Exception as e:  # the group failed, or this rank's engine: rank 0's next collective fails too
-        sys.exit(f"llm-paged-mlx: rank {os.environ.get(LAUNCHED_RANK)} of the tensor-parallel group: {one_line(e)}")
+    except ValueError as e:
+        sys.exit(f"llm-paged-mlx: rank {os.environ.get(LAUNCHED_RANK)} of the tensor-parallel group: {e}")
+    replay(model_id, lambda: folder, group, _wait_for_rank_zero)
 
 
 def _wait_for_rank_zero() -> None:
