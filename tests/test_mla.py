@@ -4,6 +4,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx_lm.models.base import scaled_dot_product_attention
+from mlx_lm.models.mla import MultiLinear
 from models import nested_config, tiny_any, tiny_model
 from test_engine import PROMPT_LENGTHS, random_prompts, reference, run_staggered
 
@@ -13,6 +14,8 @@ from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.dialect import CUDA
 from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
+from llm_paged_mlx.models.latent_shape import TILE_SCORE_BYTES, LatentShape, latent_shape, query_tile
+from llm_paged_mlx.models import paged_cache
 from llm_paged_mlx.models.paged_cache import PagedLatentCache, check_model
 
 # The MLA models mlx-lm has, tiny: (architecture, ModelArgs overrides).
@@ -34,14 +37,25 @@ def tiny_mla(name, **overrides):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_greedy_tokens_match_mlx_lm_with_preemption_and_prefix_caching(name):
+def test_greedy_tokens_match_mlx_lm_with_preemption_and_prefix_caching(name, monkeypatch):
     """Ten requests of 1 to 640 tokens, staggered, in a pool that preempts; then a 250-token prompt twice, the
-    second time from the prefix cache."""
+    second time from the prefix cache. MLA prompt chunks take both formulations: at these widths (latent 32,
+    keys 16, values 32) decompressing the context takes less arithmetic for the 128-token chunks, absorbing
+    the queries for the shorter ones after a long context."""
     model = tiny_mla(name)
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     engine = Engine(model, block_size=16, num_blocks=60, max_num_batched_tokens=128)
     assert all(layout.latent for layout in engine.runner.layouts) == (name in LATENT)
+    calls = {"attend": 0, "attend_sequence": 0}
+    for method in calls:
+        def counted(*args, _method=getattr(PagedLatentCache, method), _name=method):
+            calls[_name] += 1
+            return _method(*args)
+
+        monkeypatch.setattr(PagedLatentCache, method, counted)
     got = run_staggered(engine, prompts, SamplingParams(max_tokens=16), first=8)
+    if name in LATENT:
+        assert calls["attend"] > 0 and calls["attend_sequence"] > 0
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference(model, prompt, 16), f"prompt of {len(prompt)} tokens"
     assert engine.stats()["preemptions"] > 0
@@ -99,6 +113,52 @@ def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits)
     with pytest.raises(ValueError, match=r"kv_group_size 64 does not divide the width of the model's MLA rows "
                        r"\(latent \+ RoPE\) 48: no kv_group_size \(32, 64, 128\) does, so this model cannot use kv_bits"):
         Engine(tiny_mla("deepseek_v3"), kv_bits=8, kv_group_size=64)  # rows of 32 + 16
+
+
+def test_prompt_chunks_decompress_when_that_takes_less_arithmetic_within_the_budget():
+    """DeepSeek-V3's widths (latent 512, keys and values 128): absorbing wins only for a chunk of under 171
+    queries after a long enough context; decompressing must leave room for 64 queries' scores at a time."""
+    shape = LatentShape(heads=128, latent_dim=512, key_dim=128, value_dim=128, dtype=mx.bfloat16)
+    roomy = 1 << 40
+    assert not shape.decompresses(1, 100, roomy)
+    assert shape.decompresses(64, 64, roomy)  # a whole short prompt
+    assert shape.decompresses(171, 10**6, roomy) and not shape.decompresses(170, 10**6, roomy)
+    assert shape.decompresses(100, 200, roomy) and not shape.decompresses(100, 300, roomy)  # 1/100 - 1/C vs 1/171
+    # The model's RoPE scores, their masked copy and the per-head keys and values, and 64 queries' scores:
+    per_query = 128 * 2048 * TILE_SCORE_BYTES
+    need = 128 * 2048 * (512 + 256) * 2 * 2 + 64 * per_query
+    assert shape.decompresses(512, 2048, need) and not shape.decompresses(512, 2048, need - 1)
+    assert query_tile(128, 512, 2048, 256, mx.bfloat16, need + 10 * per_query) == 74
+    assert shape.decompresses(60, 60, 128 * 60 * (60 + 256) * 4 + 60 * 128 * 60 * TILE_SCORE_BYTES)  # all 60 at once
+    model = tiny_mla("glm4_moe_lite")
+    args = model.args
+    assert latent_shape(model) == LatentShape(
+        args.num_attention_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim, mx.float32
+    )
+    quantized = tiny_mla("glm4_moe_lite", qk_nope_head_dim=32)
+    nn.quantize(quantized, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, MultiLinear))
+    assert latent_shape(quantized) == LatentShape(args.num_attention_heads, args.kv_lora_rank, 32, args.v_head_dim,
+                                                  mx.float32)  # fmt: skip
+    assert latent_shape(tiny_mla("minicpm3")) is None  # caches full per-head K/V: never asked
+
+
+def test_a_decompressed_chunk_attends_in_tiles_of_queries_that_fit_the_budget(monkeypatch):
+    """With no budget left for scores, the hook attends one query at a time: still mlx-lm's tokens."""
+    model = tiny_mla("deepseek_v3")  # 2 layers
+    prompt = random_prompts([200], seed=8)[0]
+    calls = []
+
+    def counted(queries, *args, **kwargs):
+        calls.append(queries.shape[2])
+        return original(queries, *args, **kwargs)
+
+    engine = Engine(model, num_blocks=32, max_num_batched_tokens=256)
+    original = paged_cache._original_sdpa
+    monkeypatch.setattr(paged_cache, "_original_sdpa", counted)  # once the engine has installed its hook
+    monkeypatch.setattr(paged_cache, "PREFILL_ATTENTION_BYTES", 0)
+    got = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
+    assert calls == [1] * 2 * 200
+    assert got == reference(model, prompt, 8)
 
 
 # -- the portable kernel's latent attention against a dense reference --------------------------------

@@ -13,7 +13,9 @@ Models with recurrent layers (``models.state_cache``) cannot take a prefill
 chunk as rows: a recurrence runs along a sequence's tokens. Their steps run
 the single-token chunks as rows of one call and the longer chunks as
 sequences, right-padded into calls of shape ``(B, L)``, and keep each running
-sequence's state (``engine.states``).
+sequence's state (``engine.states``). MLA models run the prompt chunks that
+decompressing the context serves with less arithmetic as sequences too, one
+chunk a call (``models.latent_shape``); their other chunks stay rows.
 """
 
 import functools
@@ -25,6 +27,8 @@ import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.plan import AttentionPlan, PrefillChunk
+from ..kernels.portable import PREFILL_ATTENTION_BYTES
+from ..models.latent_shape import latent_shape
 from ..models.paged_cache import LayerLayout, model_caches
 from ..models.state_cache import StateLayout, honours_lengths
 from .kv_groups import KVGroups, kv_groups
@@ -102,6 +106,7 @@ class ModelRunner:
         self._compiled_rows = None
         self._traced_shapes: set[tuple[int, int]] = set()
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
+        self._latent = latent_shape(model) if any(layout.latent for layout in self.layouts) else None
         self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
 
     def with_pools(self, num_blocks: int) -> "ModelRunner":
@@ -249,10 +254,19 @@ class ModelRunner:
         """Whether the chunk's tokens can be served as single-query rows."""
         if chunk.num_tokens == 1:
             return True
-        if self.states:  # a recurrence runs along the sequence
+        if self._as_sequence(chunk):
             return False
         end = chunk.request.num_computed + chunk.num_tokens
         return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)
+
+    def _as_sequence(self, chunk: ScheduledChunk) -> bool:
+        """Whether the chunk runs as a sequence: a recurrence runs along it, or MLA decompresses its context."""
+        if chunk.num_tokens == 1:
+            return False
+        if self.states:
+            return True
+        end = chunk.request.num_computed + chunk.num_tokens
+        return self._latent is not None and self._latent.decompresses(chunk.num_tokens, end, PREFILL_ATTENTION_BYTES)
 
     def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):
         """The traced step: every row one query; takes and returns the pools and the rows' recurrent state.
@@ -326,32 +340,27 @@ class ModelRunner:
         return self._compiled_rows
 
     def _forward_calls(self, chunks, input_tokens) -> mx.array:
-        """A step of a model with recurrent layers: its single-token chunks as rows of one call, then its
-        longer chunks as sequences, right-padded in calls of similar lengths (one call each if the model's
-        recurrent layers do not take padding)."""
-        count = sum(c.num_tokens == 1 for c in chunks)
-        singles, longer = chunks[:count], chunks[count:]
-        if any(c.num_tokens == 1 for c in longer):
-            raise ValueError("single-token chunks must come first")
-        parts, calls = {}, []  # each chunk's hidden rows (the single-token chunks' under the first of them)
-        if singles and self.compile_steps:
-            parts[id(singles[0])] = self._forward_rows(singles, input_tokens)[:count]  # less its padding rows
-        elif singles:
-            calls.append((singles, functools.partial(self._forward_eager, singles, input_tokens)))
-        for group in self._sequence_groups(longer):
+        """A step with chunks to run as sequences (``_as_sequence``): the other chunks as rows of one call
+        (compiled if they are all single tokens), then those as sequences, right-padded in calls of similar
+        lengths (one call each unless the model's recurrent layers take padding)."""
+        in_rows = [c for c in chunks if not self._as_sequence(c)]
+        parts, calls = {}, []  # each chunk's hidden rows
+        if in_rows and self.compile_steps and all(c.num_tokens == 1 for c in in_rows):
+            hidden = self._forward_rows(in_rows, input_tokens)
+            parts.update((id(c), hidden[i : i + 1]) for i, c in enumerate(in_rows))
+        elif in_rows:
+            calls.append((in_rows, functools.partial(self._forward_eager, in_rows, input_tokens)))
+        for group in self._sequence_groups([c for c in chunks if self._as_sequence(c)]):
             calls.append((group, functools.partial(self._forward_sequences, group)))
         for group, call in calls:
-            lengths = None if group is singles or len(group) == 1 else [c.num_tokens for c in group]
+            lengths = None if group is in_rows or len(group) == 1 else [c.num_tokens for c in group]
             with self.states.bound(self._state_keys(group), [c.request.request_id for c in group], lengths):
-                rows = call()
-            if group is singles:
-                parts[id(group[0])] = rows
-                continue
+                hidden = call()
             start = 0
             for chunk in group:
-                parts[id(chunk)] = rows[start : start + chunk.num_tokens]
+                parts[id(chunk)] = hidden[start : start + chunk.num_tokens]
                 start += chunk.num_tokens
-        hidden = [parts[id(c)] for c in singles[:1] + longer]
+        hidden = [parts[id(c)] for c in chunks]
         return mx.concatenate(hidden) if len(hidden) > 1 else hidden[0]
 
     def _sequence_groups(self, chunks: list[ScheduledChunk]) -> list[list[ScheduledChunk]]:
@@ -413,7 +422,9 @@ class ModelRunner:
         return [c.request.request_id if c.request.num_computed else None for c in chunks]
 
     def _forward_uncompiled(self, chunks, input_tokens) -> mx.array:
-        return self._forward_calls(chunks, input_tokens) if self.states else self._forward_eager(chunks, input_tokens)
+        if self.states or any(self._as_sequence(c) for c in chunks):  # recurrent state is bound around calls
+            return self._forward_calls(chunks, input_tokens)
+        return self._forward_eager(chunks, input_tokens)
 
     def _forward_eager(self, chunks, input_tokens) -> mx.array:
         groups = range(len(self.groups.windows))

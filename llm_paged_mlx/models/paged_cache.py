@@ -16,7 +16,10 @@ the latent up-projection, and ``mask = (q_pe * scale) @ k_pe.T`` as the RoPE
 part of the scores. ``PagedLatentCache`` keeps ``[kv_latent | k_pe]`` rows and
 returns an identity for ``k_pe``, so ``mask`` arrives as the scaled RoPE
 query, and the kernel's ``latent_attention`` scores whole rows and sums their
-latent part.
+latent part. A prompt chunk that the runner calls as a sequence ``(1, L)``
+(``latent_shape``: when decompressing the context takes less arithmetic) gets
+the whole context's latent and RoPE keys instead, and the hook runs mlx-lm's
+prompt formulation over the per-head keys and values the model makes of them.
 
 A step feeds the model inputs of shape ``(T, 1)``: every token is its own row
 at its own position (``cache.offset`` is a ``(T,)`` array), see
@@ -37,7 +40,9 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
+from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context
 from ..kernels.quantized import QuantizedPool, check_quantization
+from .latent_shape import query_tile
 from .softcapped import ADAPTED, adapt_attention
 from .state_cache import StateLayout
 
@@ -197,29 +202,61 @@ class PagedLatentCache(PagedLayerCache):
         return [f"latent{suffix}.{layer}" for suffix in suffixes]
 
     def update_and_fetch(self, kv_latent, k_pe):
-        """Write each row's ``[kv_latent | k_pe]``; return the latent and, for ``k_pe``, an identity: the
-        model's ``(q_pe * scale) @ k_pe.T`` then hands the attention call the scaled RoPE query as its mask."""
+        """Write each row's ``[kv_latent | k_pe]``. Rows get back the latent and, for ``k_pe``, an identity:
+        the model's ``(q_pe * scale) @ k_pe.T`` then hands the attention call the scaled RoPE query as its
+        mask. A sequence (one prompt chunk) gets its whole context's latent and RoPE keys."""
+        kv_latent, k_pe = self.plan.as_rows(kv_latent), self.plan.as_rows(k_pe)
         rows = kv_latent.shape[0]
         x = mx.concatenate([kv_latent.reshape(rows, 1, -1), k_pe.reshape(rows, 1, -1)], axis=-1).astype(self.dtype)
         parts = (x,) if self.bits is None else mx.quantize(x, group_size=self.group_size, bits=self.bits)
         index = self.plan.write_indices(1)
         for array, part in zip(self.arrays, parts):
             array[index] = part
-        return kv_latent, self._rope_identity
+        if self.plan.sequence_rows is None:
+            return kv_latent, self._rope_identity
+        (chunk,) = self.plan.prefills
+        context = gather_context(self._pool(), chunk.block_table, chunk.context_len)  # (1, 1, context, row)
+        return context[..., : self.latent_dim], context[..., self.latent_dim :]
+
+    def _pool(self):
+        pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+        return pools[0] if self.bits is None else QuantizedPool(*pools, self.bits, self.group_size)
 
     def attend(self, queries, rope_queries, scale):
         """``queries`` ``(T, H, 1, latent_dim)`` absorbed, ``rope_queries`` ``(T, H, 1, rope_dim)`` already
         scaled; returns ``(T, H, 1, latent_dim)``, the attention output in latent space."""
-        pools = [a.reshape(*self.shape, -1) for a in self.arrays]
-        dtype = queries.dtype
+        pool, dtype = self._pool(), queries.dtype
         if _float32_attention and self.bits is None:
-            queries, pools = queries.astype(mx.float32), [p.astype(mx.float32) for p in pools]
-        pool = pools[0] if self.bits is None else QuantizedPool(*pools, self.bits, self.group_size)
+            queries, pool = queries.astype(mx.float32), pool.astype(mx.float32)
         rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
         out = self.kernel.latent_attention(rows, pool, self.latent_dim, self.plan, 1.0)
         if self.plan.prefills:
             mx.eval(out)  # as in PagedLayerCache.attend
         return out.astype(dtype)
+
+    def attend_sequence(self, queries, keys, values, scale, mask):
+        """mlx-lm's prompt formulation for one chunk ``(1, H, L, D)`` over its decompressed context: ``mask``
+        is the model's RoPE scores (float) or its own mask (None, or boolean), made causal here."""
+        (chunk,) = self.plan.prefills
+        length, context = queries.shape[2], chunk.context_len
+        causal = mx.arange(context)[None] <= mx.arange(context - length, context)[:, None]
+        if mask is None or isinstance(mask, str):
+            mask = causal
+        elif mask.dtype == mx.bool_:
+            mask = mask & causal
+        else:
+            mask = mx.where(causal, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
+        dtype, heads, widths = queries.dtype, queries.shape[1], keys.shape[-1] + values.shape[-1]
+        tile = max(1, query_tile(heads, length, context, widths, dtype, PREFILL_ATTENTION_BYTES))
+        if _float32_attention:
+            queries, keys, values = (x.astype(mx.float32) for x in (queries, keys, values))
+            mask = mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)
+        outs = []
+        for start in range(0, length, tile):
+            rows = slice(start, start + tile)
+            outs.append(_original_sdpa(queries[:, :, rows], keys, values, cache=None, scale=scale, mask=mask[..., rows, :]))
+            mx.eval(outs[-1])  # tile by tile and layer by layer (as PagedLayerCache.attend), within the budget
+        return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).astype(dtype)
 
 
 _float32_attention = False  # see float32_attention()
@@ -246,6 +283,8 @@ def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask
     if isinstance(cache, PagedLatentCache):
         if sinks is not None:
             raise ValueError("attention sinks with multi-head latent attention are not supported by the paged engine")
+        if cache.plan.sequence_rows is not None:
+            return cache.attend_sequence(queries, keys, values, scale, mask)
         return cache.attend(queries, mask, scale)
     if isinstance(cache, PagedLayerCache):
         return cache.attend(queries, scale, sinks)
