@@ -15,6 +15,9 @@ at random. For 8 and 64 sequences at 4K, 32K and 128K context, timed in alternat
 "TB/s" is the bytes of latent rows (latent + RoPE) a call reads over its time, against ``x * 2`` copy
 bandwidth (read + written). First, both paged paths are checked against mlx-lm's in float32, per dtype.
 ``--sweep`` times the fused kernel's partition sizes and simd groups per threadgroup on one case.
+``--mma-peak`` (CUDA; only this) measures what the instruction the fused kernel multiplies with, ``mma.sync``
+(bf16, float32 sums), does with every warp busy and nothing else to do, against the arithmetic rate
+that reading the cache at 70% of copy bandwidth would take at these shapes.
 """
 
 import argparse
@@ -129,12 +132,68 @@ def sweep(runs):
         print(f"sweep 8 x 32K: {name}: {ms:.3f} ms", flush=True)
 
 
+MMA_PEAK_SOURCE = """
+const unsigned int one = 0x3f803f80u;  // two bf16 ones: sums stay finite over the loop
+float c[CHAINS][4];
+for (int j = 0; j < CHAINS; ++j) {
+  for (int k = 0; k < 4; ++k) {
+    c[j][k] = float(j);  // chains that start apart: the compiler cannot fold them into one
+  }
+}
+for (int i = 0; i < ITERS; ++i) {
+#pragma unroll
+  for (int j = 0; j < CHAINS; ++j) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%4,%4,%4}, {%4,%4}, "
+                 "{%0,%1,%2,%3};\\n"
+                 : "+f"(c[j][0]), "+f"(c[j][1]), "+f"(c[j][2]), "+f"(c[j][3]) : "r"(one));
+  }
+}
+float total = 0.0f;
+for (int j = 0; j < CHAINS; ++j) {
+  for (int k = 0; k < 4; ++k) {
+    total += c[j][k];
+  }
+}
+out[blockIdx.x * blockDim.x + threadIdx.x] = total;
+"""
+
+
+def mma_peak(runs, bandwidth):
+    """TFLOP/s of independent ``mma.sync.m16n8k16`` chains in every warp of a full grid (from the time
+    difference of two loop lengths, so launch costs cancel), and the rate 70% of copy bandwidth would need
+    at 128 heads."""
+    chains, blocks, threads = 8, 2048, 256
+    kernel = mx.fast.cuda_kernel("mma_sync_peak", ["unused"], ["out"], MMA_PEAK_SOURCE)
+    unused = mx.zeros((1,), mx.float32)
+
+    def run(iters):
+        out = kernel(inputs=[unused], template=[("CHAINS", chains), ("ITERS", iters)], grid=(blocks * threads, 1, 1),
+                     threadgroup=(threads, 1, 1), output_shapes=[(blocks * threads,)], output_dtypes=[mx.float32])[0]
+        return out
+
+    short, long = 1024, 8192
+    for iters in (short, long):  # every product adds 16 ones to each of a thread's 4 x CHAINS sums
+        got, want = run(iters)[0].item(), 16.0 * iters * 4 * chains + 4 * sum(range(chains))
+        assert got == want, f"mma_sync_peak computed {got}, not {want}"
+    times = timed_together({n: (lambda n=n: run(n)) for n in (short, long)}, runs)
+    flops = blocks * threads // 32 * (long - short) * chains * 16 * 8 * 16 * 2
+    per_byte = HEADS * (LATENT + ROPE + LATENT) * 2 / ((LATENT + ROPE) * DTYPE.size)
+    print(f"mma.sync bf16 peak: {flops / ((times[long] - times[short]) * 1e-3) / 1e12:.0f} TFLOP/s "
+          f"({times[short]:.3f} ms for {short} products per chain, {times[long]:.3f} ms for {long}); reading latent "
+          f"rows at 70% of copy bandwidth at {HEADS} heads needs {0.7 * bandwidth * per_byte:.0f} TFLOP/s "
+          f"({per_byte:.0f} FLOP per byte)", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--sweep", action="store_true")
+    parser.add_argument("--mma-peak", action="store_true")
     args = parser.parse_args()
+    if args.mma_peak:
+        mma_peak(args.runs, copy_bandwidth())
+        return
     kernels = {"portable": PortableKernel(), "fused": select_kernel("auto")}
     print(f"check (fused: the {kernels['fused'].name} kernel):", json.dumps(check(kernels)), flush=True)
     if args.sweep:

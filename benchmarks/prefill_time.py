@@ -22,11 +22,13 @@ def main():
     parser.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--no-verify", action="store_true",
+                        help="skip the model check (a random MoE model's expert choices can flip on rounding alone)")
     args = parser.parse_args()
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
     model = build_model(module, small if args.small else config, dtype)
-    engine = Engine(model, kv_budget_bytes=1 << 30, enable_prefix_caching=False)
+    engine = Engine(model, kv_budget_bytes=1 << 30, enable_prefix_caching=False, verify_model=not args.no_verify)
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
           f"{'small ' if args.small else ''}{args.model}-shaped {dtype}")
     print("| prompt tokens | engine s | mlx-lm s | engine / mlx-lm |")

@@ -5,7 +5,8 @@ the model sees inputs of shape ``(T, 1)``: the tokens of all decoding
 sequences first, then each prefill chunk as a run of consecutive rows. (Models
 with recurrent layers take prefill chunks as sequences instead: a call of shape
 ``(B, L)``, each chunk a row, right-padded; ``as_rows`` and ``from_rows`` turn
-its queries, keys and values into the kernel's rows and back.) Every
+its queries, keys and values into the kernel's rows and back. So do MLA models'
+prompt chunks that decompress their context, one chunk a call.) Every
 row is one query at its own position; a kernel may serve all rows as
 single-token queries (``row_block_tables``/``row_context_lens``) or treat a
 prefill chunk as one causal block (``prefills``).

@@ -24,8 +24,9 @@ prompt formulation over the per-head keys and values the model makes of them.
 A step feeds the model inputs of shape ``(T, 1)``: every token is its own row
 at its own position (``cache.offset`` is a ``(T,)`` array), see
 ``kernels.plan``. Models with recurrent layers (their state: ``state_cache``)
-take prompts as right-padded sequences ``(B, L)`` instead; ``cache.offset``
-then holds each sequence's first position.
+take prompts as right-padded sequences ``(B, L)`` instead, and MLA models the
+prompt chunks they decompress, one a call; ``cache.offset`` then holds each
+sequence's first position.
 """
 
 import contextlib
