@@ -9,6 +9,9 @@ from models import nested_config, tiny_any, tiny_model
 from test_engine import PROMPT_LENGTHS, random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import model_check
+from llm_paged_mlx.engine.request import Request
+from llm_paged_mlx.engine.scheduler import ScheduledChunk
 from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.dialect import CUDA
@@ -39,9 +42,8 @@ def tiny_mla(name, **overrides):
 @pytest.mark.parametrize("name", list(MODELS))
 def test_greedy_tokens_match_mlx_lm_with_preemption_and_prefix_caching(name, monkeypatch):
     """Ten requests of 1 to 640 tokens, staggered, in a pool that preempts; then a 250-token prompt twice, the
-    second time from the prefix cache. MLA prompt chunks take both formulations: at these widths (latent 32,
-    keys 16, values 32) decompressing the context takes less arithmetic for the 128-token chunks, absorbing
-    the queries for the shorter ones after a long context."""
+    second time from the prefix cache. MLA prompts take both formulations: the 600- and 640-token ones
+    decompress their context, the others (and the 10 tokens after the cached prefix) are absorbed rows."""
     model = tiny_mla(name)
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     engine = Engine(model, block_size=16, num_blocks=60, max_num_batched_tokens=128)
@@ -145,7 +147,7 @@ def test_prompt_chunks_decompress_when_that_takes_less_arithmetic_within_the_bud
 def test_a_decompressed_chunk_attends_in_tiles_of_queries_that_fit_the_budget(monkeypatch):
     """With no budget left for scores, the hook attends one query at a time: still mlx-lm's tokens."""
     model = tiny_mla("deepseek_v3")  # 2 layers
-    prompt = random_prompts([200], seed=8)[0]
+    prompt = random_prompts([300], seed=8)[0]
     calls = []
 
     def counted(queries, *args, **kwargs):
@@ -157,8 +159,35 @@ def test_a_decompressed_chunk_attends_in_tiles_of_queries_that_fit_the_budget(mo
     monkeypatch.setattr(paged_cache, "_original_sdpa", counted)  # once the engine has installed its hook
     monkeypatch.setattr(paged_cache, "PREFILL_ATTENTION_BYTES", 0)
     got = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
-    assert calls == [1] * 2 * 200
+    assert calls == [1] * 2 * 300
     assert got == reference(model, prompt, 8)
+
+
+def test_a_request_takes_one_formulation_however_a_step_cuts_its_prompt():
+    """Decided on the request (new prompt tokens, at most a step's worth, over its context), so chunks of any
+    size of one prompt go the same way: the two formulations round differently in low precision."""
+    engine = Engine(tiny_mla("deepseek_v3"), num_blocks=64, max_num_batched_tokens=512, verify_model=False)
+    runner = engine.runner
+    long, short = (Request(i, list(range(n)), SamplingParams(), max_total_tokens=2000) for i, n in ((1, 600), (2, 255)))
+    assert [runner._as_sequence(ScheduledChunk(long, n, [])) for n in (2, 17, 512)] == [True] * 3
+    assert [runner._as_sequence(ScheduledChunk(short, n, [])) for n in (2, 17, 255)] == [False] * 3
+    long.num_cached_tokens = 500  # 100 new tokens after a cached prefix: absorbed
+    assert not runner._as_sequence(ScheduledChunk(long, 100, []))
+
+
+def test_the_model_check_refuses_a_prompt_formulation_that_forgets_the_context_before_a_chunk(monkeypatch):
+    original = PagedLatentCache.attend_sequence
+
+    def forgetting(self, queries, keys, values, scale, mask):
+        earlier = keys.shape[2] - queries.shape[2]  # the tokens before the chunk: their keys zeroed
+        keys = mx.concatenate([mx.zeros_like(keys[:, :, :earlier]), keys[:, :, earlier:]], axis=2)
+        return original(self, queries, keys, values, scale, mask)
+
+    monkeypatch.setattr(model_check, "_verdicts", {})
+    monkeypatch.setattr(PagedLatentCache, "attend_sequence", forgetting)
+    with pytest.raises(ValueError, match="deepseek_v3: paged attention gives different logits than mlx-lm .* at the "
+                                         "270-token prompt's prefill"):  # fmt: skip
+        Engine(tiny_mla("deepseek_v3"), num_blocks=64)
 
 
 # -- the portable kernel's latent attention against a dense reference --------------------------------

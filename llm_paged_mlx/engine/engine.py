@@ -250,7 +250,8 @@ class Engine:
         initial = min(self.max_blocks, max(INITIAL_POOL_BYTES // block_bytes, 2 * self._step_blocks))
         self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(
-            model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size
+            model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
+            max_num_batched_tokens,
         )
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)

@@ -6,7 +6,7 @@ runner the way the engine drives it (a prefill in two chunks, one ending
 mid-block and one crossing a block boundary; a mixed prefill and decode step;
 decode steps of both sequences at their own positions across a block
 boundary, compiled when the runner compiles; the long sequence outgrows the
-smallest sliding window) and through mlx-lm's
+smallest sliding window, and with MLA takes the prompt formulation) and through mlx-lm's
 ``make_prompt_cache``; the logits must agree within the tolerance of their
 dtype, or else with attention computed in float32 on both paths (a model that
 routes by a top-k can flip a choice on a rounding difference alone). The verdict depends on the code path, not on the weights, so it is
@@ -29,6 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from .. import files
 from ..kernels.dialect import read_template
+from ..models.latent_shape import MIN_SEQUENCE_TOKENS
 from ..models.paged_cache import architecture, float32_attention, model_config
 from .request import Request, SamplingParams
 from .scheduler import ScheduledChunk
@@ -44,7 +45,7 @@ _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
 _OWN_SOURCES = (
     "engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/softcapped.py",
-    "models/state_cache.py",
+    "models/state_cache.py", "models/latent_shape.py",
 )  # fmt: skip
 
 
@@ -123,9 +124,12 @@ def _verdict(model, runner) -> Optional[str]:
     size = runner.block_size
     # The long prompt ends 2 tokens before a block boundary, the short one 1 token before: their decode steps
     # cross a boundary at different positions. The short one also decodes in the long one's second prefill step.
-    # The long one is longer than the smallest sliding window, if there is one.
+    # The long one is longer than the smallest sliding window, if there is one, and for MLA long enough to take
+    # mlx-lm's prompt formulation (``models.latent_shape``), its second chunk continuing a context.
     windows = [layout.window for layout in runner.layouts if layout.window]
     blocks = max(3, -(-min(windows) // size) + 2) if windows else 3
+    if any(layout.latent for layout in runner.layouts):
+        blocks = max(blocks, -(-(MIN_SEQUENCE_TOKENS + 2) // size))
     long_len, short_len = max(blocks * size - 2, 4), max(size - 1, 2)
     rng = np.random.default_rng(0)
     vocab = getattr(model_config(model), "vocab_size", None) or 32

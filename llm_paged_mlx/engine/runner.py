@@ -13,9 +13,10 @@ Models with recurrent layers (``models.state_cache``) cannot take a prefill
 chunk as rows: a recurrence runs along a sequence's tokens. Their steps run
 the single-token chunks as rows of one call and the longer chunks as
 sequences, right-padded into calls of shape ``(B, L)``, and keep each running
-sequence's state (``engine.states``). MLA models run the prompt chunks that
-decompressing the context serves with less arithmetic as sequences too, one
-chunk a call (``models.latent_shape``); their other chunks stay rows.
+sequence's state (``engine.states``). MLA models run the prompt chunks of
+requests that decompressing the context serves with less arithmetic as
+sequences too, one chunk a call (``models.latent_shape``); their other chunks
+stay rows.
 """
 
 import functools
@@ -28,7 +29,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
-from ..models.latent_shape import latent_shape
+from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
 from ..models.paged_cache import LayerLayout, model_caches
 from ..models.state_cache import StateLayout, honours_lengths
 from .kv_groups import KVGroups, kv_groups
@@ -72,10 +73,13 @@ class ModelRunner:
         compile_steps: bool = True,
         kv_bits=None,
         kv_group_size: int = 64,
+        chunk_tokens: int = 2048,
     ):
         """``layouts``: one per cache the model takes (``check_model``). ``kv_bits`` (8 or 4) stores K/V
-        quantized in groups of ``kv_group_size`` (``kernels.quantized``)."""
+        quantized in groups of ``kv_group_size`` (``kernels.quantized``). ``chunk_tokens``: the most tokens
+        of one request a step takes (the scheduler's ``max_num_batched_tokens``)."""
         self.model = model
+        self.chunk_tokens = chunk_tokens
         self.all_layouts = layouts
         self.layouts = [layout for layout in layouts if isinstance(layout, LayerLayout)]
         self.state_layouts = [layout for layout in layouts if isinstance(layout, StateLayout)]
@@ -112,7 +116,8 @@ class ModelRunner:
     def with_pools(self, num_blocks: int) -> "ModelRunner":
         """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
         kernel = self.caches[0].kernel
-        return ModelRunner(self.model, self.all_layouts, num_blocks, self.block_size, kernel, self.compile_steps)
+        return ModelRunner(self.model, self.all_layouts, num_blocks, self.block_size, kernel, self.compile_steps,
+                           chunk_tokens=self.chunk_tokens)  # fmt: skip
 
     @property
     def num_blocks(self) -> int:
@@ -265,8 +270,15 @@ class ModelRunner:
             return False
         if self.states:
             return True
-        end = chunk.request.num_computed + chunk.num_tokens
-        return self._latent is not None and self._latent.decompresses(chunk.num_tokens, end, PREFILL_ATTENTION_BYTES)
+        return self._latent is not None and self._decompresses(chunk.request)
+
+    def _decompresses(self, request) -> bool:
+        """Whether an MLA request's prompt chunks take mlx-lm's prompt formulation: decided on the request (the
+        tokens the prefix cache did not hold, in chunks of at most ``chunk_tokens``), not on each chunk."""
+        new = request.num_tokens - request.num_cached_tokens
+        return new >= MIN_SEQUENCE_TOKENS and self._latent.decompresses(
+            min(new, self.chunk_tokens), request.num_tokens, PREFILL_ATTENTION_BYTES
+        )
 
     def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):
         """The traced step: every row one query; takes and returns the pools and the rows' recurrent state.

@@ -17,7 +17,10 @@ every chunk of 171 tokens or more). It holds more at once, though: the
 model's RoPE scores of every query over the whole context, and the per-head
 keys and values. The engine decompresses only when those leave room, within
 the budget of its tiled prefill attention, for the attention's own scores of
-``MIN_QUERY_TILE`` queries at a time (``query_tile``).
+``MIN_QUERY_TILE`` queries at a time (``query_tile``). And since the two
+round differently in low precision, it decides once per request (its new
+prompt tokens, at most a step's worth, over its context), not per chunk: how
+a step's budget cuts a prompt must not change its tokens.
 """
 
 from dataclasses import dataclass
@@ -29,6 +32,9 @@ from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 # Bytes per score of one tile of queries in MLX's attention: scores, masked scores and softmax, float32.
 TILE_SCORE_BYTES = 12
 MIN_QUERY_TILE = 64
+# Fewest new prompt tokens a request decompresses: each of its chunks is a call of the whole model of its own,
+# where absorbed rows share the step's one call.
+MIN_SEQUENCE_TOKENS = 256
 
 
 def model_bytes(heads: int, num_tokens: int, context_len: int, widths: int, dtype: mx.Dtype) -> int:
