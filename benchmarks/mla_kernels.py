@@ -162,6 +162,8 @@ def mma_peak(runs, bandwidth):
     """TFLOP/s of independent ``mma.sync.m16n8k16`` chains in every warp of a full grid (from the time
     difference of two loop lengths, so launch costs cancel), and the rate 70% of copy bandwidth would need
     at 128 heads."""
+    if not mx.cuda.is_available():
+        raise SystemExit("--mma-peak times a CUDA instruction: it needs MLX's CUDA backend")
     chains, blocks, threads = 8, 2048, 256
     kernel = mx.fast.cuda_kernel("mma_sync_peak", ["unused"], ["out"], MMA_PEAK_SOURCE)
     unused = mx.zeros((1,), mx.float32)

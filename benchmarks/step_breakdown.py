@@ -3,17 +3,18 @@
     PYTHONPATH=. python3 benchmarks/step_breakdown.py [--model deepseek-v2-lite] [--batch 64] [--kernel-profile]
 
 A random-weight model of ``engine_throughput.py``'s shapes; ``--batch`` sequences of ``--context``
-prompt tokens each, all decoding. Each line is the median of ``--steps`` timed calls after warm-up:
+prompt tokens each, all decoding. Each line is a median after warm-up:
 
-- mlx-lm forward: the model on ``(batch, 1)`` tokens over its own contiguous caches;
+- mlx-lm forward: the model on ``(batch, 1)`` tokens over its own contiguous caches (``--steps`` calls);
 - its MLPs alone, and its attention layers alone, on the same hidden states (every layer's);
-- BatchGenerator: the time between two of its calls in steady decoding;
-- the engine: the time of one of its steps in steady decoding.
+- BatchGenerator: the time between two of its calls, over the last three quarters of a run of
+  ``2 * steps + 8`` tokens (past the prompts' prefill);
+- the engine: the time of one of its steps, likewise.
 
-The last line divides BatchGenerator's step by the MLPs' time: the most that any engine which runs
+The "ceiling" line divides BatchGenerator's step by the MLPs' time: the most that any engine which runs
 mlx-lm's own MLPs could gain over BatchGenerator at this shape, were its attention and everything else
-free. ``--kernel-profile`` also lists the GPU kernels of the engine's steps by time, through PyTorch's
-profiler when it is importable (it records every kernel of the process, MLX's included).
+free. ``--kernel-profile`` then lists the GPU kernels of ``--steps`` engine steps by time, through
+PyTorch's profiler when it is importable (it records every kernel of the process, MLX's included).
 """
 
 import argparse

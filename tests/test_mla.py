@@ -101,8 +101,9 @@ def test_latent_blocks_round_trip_through_the_disk_tier(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits):
-    """Latent + RoPE rows of 64 values, quantized in groups of 32: a tight pool gives what a roomy one gives."""
+def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits, monkeypatch):
+    """Latent + RoPE rows of 64 values, quantized in groups of 32: a tight pool gives what a roomy one gives,
+    and a 300-token prompt what it gives with every prompt token absorbed."""
     model = tiny_mla("deepseek_v3", kv_lora_rank=48)
     prompts = random_prompts([60, 90, 40, 75], seed=3)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
@@ -112,6 +113,10 @@ def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits)
     tight = Engine(model, num_blocks=14, kv_bits=bits, kv_group_size=32)
     assert [o.token_ids for o in tight.generate(prompts, params)] == want
     assert tight.stats()["preemptions"] > 0
+    long = random_prompts([300], seed=4)
+    decompressed = roomy.generate(long, params)[0].token_ids
+    monkeypatch.setattr(LatentShape, "decompresses", lambda *args: False)
+    assert Engine(model, num_blocks=200, kv_bits=bits, kv_group_size=32).generate(long, params)[0].token_ids == decompressed
     with pytest.raises(ValueError, match=r"kv_group_size 64 does not divide the width of the model's MLA rows "
                        r"\(latent \+ RoPE\) 48: no kv_group_size \(32, 64, 128\) does, so this model cannot use kv_bits"):
         Engine(tiny_mla("deepseek_v3"), kv_bits=8, kv_group_size=64)  # rows of 32 + 16
@@ -134,14 +139,15 @@ def test_prompt_chunks_decompress_when_that_takes_less_arithmetic_within_the_bud
     assert shape.decompresses(60, 60, 128 * 60 * (60 + 256) * 4 + 60 * 128 * 60 * TILE_SCORE_BYTES)  # all 60 at once
     model = tiny_mla("glm4_moe_lite")
     args = model.args
-    assert latent_shape(model) == LatentShape(
+    assert latent_shape(model, mx.float32) == LatentShape(
         args.num_attention_heads, args.kv_lora_rank, args.qk_nope_head_dim, args.v_head_dim, mx.float32
     )
     quantized = tiny_mla("glm4_moe_lite", qk_nope_head_dim=32)
     nn.quantize(quantized, group_size=32, bits=8, class_predicate=lambda _, m: isinstance(m, MultiLinear))
-    assert latent_shape(quantized) == LatentShape(args.num_attention_heads, args.kv_lora_rank, 32, args.v_head_dim,
-                                                  mx.float32)  # fmt: skip
-    assert latent_shape(tiny_mla("minicpm3")) is None  # caches full per-head K/V: never asked
+    assert latent_shape(quantized, mx.float16) == LatentShape(
+        args.num_attention_heads, args.kv_lora_rank, 32, args.v_head_dim, mx.float16
+    )
+    assert latent_shape(tiny_mla("minicpm3"), mx.float32) is None  # caches full per-head K/V: never asked
 
 
 def test_a_decompressed_chunk_attends_in_tiles_of_queries_that_fit_the_budget(monkeypatch):
@@ -171,6 +177,8 @@ def test_a_request_takes_one_formulation_however_a_step_cuts_its_prompt():
     long, short = (Request(i, list(range(n)), SamplingParams(), max_total_tokens=2000) for i, n in ((1, 600), (2, 255)))
     assert [runner._as_sequence(ScheduledChunk(long, n, [])) for n in (2, 17, 512)] == [True] * 3
     assert [runner._as_sequence(ScheduledChunk(short, n, [])) for n in (2, 17, 255)] == [False] * 3
+    short.output_token_ids = list(range(50))  # recomputed after a preemption, with its outputs: still absorbed
+    assert not runner._as_sequence(ScheduledChunk(short, 305, []))
     long.num_cached_tokens = 500  # 100 new tokens after a cached prefix: absorbed
     assert not runner._as_sequence(ScheduledChunk(long, 100, []))
 

@@ -99,6 +99,7 @@ def fingerprint(model, runner) -> str:
         "device": str(mx.default_device()),
         "block_size": runner.block_size,
         "compile_steps": runner.compile_steps,
+        "chunk_tokens": runner.chunk_tokens,  # with MLA, whether the check's long prompt is decompressed
         "versions": [mx.__version__, mlx_lm.__version__, _own_code()],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=repr).encode()).hexdigest()

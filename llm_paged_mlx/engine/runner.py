@@ -110,7 +110,8 @@ class ModelRunner:
         self._compiled_rows = None
         self._traced_shapes: set[tuple[int, int]] = set()
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
-        self._latent = latent_shape(model) if any(layout.latent for layout in self.layouts) else None
+        latent = [layout for layout in self.layouts if layout.latent]
+        self._latent = latent_shape(model, latent[0].dtype) if latent else None
         self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
 
     def with_pools(self, num_blocks: int) -> "ModelRunner":
@@ -273,11 +274,13 @@ class ModelRunner:
         return self._latent is not None and self._decompresses(chunk.request)
 
     def _decompresses(self, request) -> bool:
-        """Whether an MLA request's prompt chunks take mlx-lm's prompt formulation: decided on the request (the
-        tokens the prefix cache did not hold, in chunks of at most ``chunk_tokens``), not on each chunk."""
-        new = request.num_tokens - request.num_cached_tokens
+        """Whether an MLA request's chunks of several tokens take mlx-lm's prompt formulation: decided on the
+        request (its prompt tokens the prefix cache did not hold, in chunks of at most ``chunk_tokens``), not on
+        each chunk."""
+        prompt = len(request.prompt_token_ids)
+        new = prompt - request.num_cached_tokens
         return new >= MIN_SEQUENCE_TOKENS and self._latent.decompresses(
-            min(new, self.chunk_tokens), request.num_tokens, PREFILL_ATTENTION_BYTES
+            min(new, self.chunk_tokens), prompt, PREFILL_ATTENTION_BYTES
         )
 
     def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):

@@ -79,14 +79,13 @@ def _input_dims(layer: MultiLinear | QuantizedMultiLinear) -> int:
     return layer.weight.shape[-1]
 
 
-def latent_shape(model: nn.Module) -> LatentShape | None:
+def latent_shape(model: nn.Module, dtype: mx.Dtype) -> LatentShape | None:
     """The shape of the model's first MLA attention (a module with mlx-lm's ``embed_q`` and ``unembed_out``
-    per-head layers), or None."""
+    per-head layers), or None; ``dtype``: its activations'."""
     per_head = (MultiLinear, QuantizedMultiLinear)
     for _, module in model.named_modules():
         embed, unembed = getattr(module, "embed_q", None), getattr(module, "unembed_out", None)
         if isinstance(embed, per_head) and isinstance(unembed, per_head):
             heads, latent_dim = embed.weight.shape[:2]  # (heads, latent, key): it projects keys into the latent
-            dtype = embed.scales.dtype if isinstance(embed, QuantizedMultiLinear) else embed.weight.dtype
             return LatentShape(heads, latent_dim, _input_dims(embed), unembed.weight.shape[1], dtype)
     return None
