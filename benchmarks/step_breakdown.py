@@ -22,7 +22,7 @@ import statistics
 import time
 
 import mlx.core as mx
-from engine_throughput import MODELS, build_model  # this folder
+from engine_throughput import MODELS, build_model, prompts_for  # this folder
 from mlx_lm.generate import BatchGenerator
 from mlx_lm.models.cache import make_prompt_cache
 
@@ -38,10 +38,6 @@ def median_ms(run, steps, warm=3):
         run()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times)
-
-
-def prompts_for(batch, context, vocab):
-    return [[(7 * i + 13 * j) % vocab for j in range(context)] for i in range(batch)]
 
 
 def mlx_lm_parts(model, prompts, steps):
@@ -124,7 +120,7 @@ def main(argv=None):
     config = small if args.small else config
     model = build_model(module, config, mx.float32 if args.small else mx.bfloat16)
     vocab = (config.get("text_config") or config)["vocab_size"]
-    prompts = prompts_for(args.batch, args.context, vocab)
+    prompts = prompts_for(args.batch, vocab, 0, args.context, args.context)
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
           f"{'small ' if args.small else ''}{args.model}-shaped, {args.batch} sequences of {args.context} prompt tokens")
 

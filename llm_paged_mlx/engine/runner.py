@@ -358,14 +358,15 @@ class ModelRunner:
         """A step with chunks to run as sequences (``_as_sequence``): the other chunks as rows of one call
         (compiled if they are all single tokens), then those as sequences, right-padded in calls of similar
         lengths (one call each unless the model's recurrent layers take padding)."""
-        in_rows = [c for c in chunks if not self._as_sequence(c)]
+        as_sequence = [self._as_sequence(c) for c in chunks]
+        in_rows = [c for c, sequence in zip(chunks, as_sequence) if not sequence]
         parts, calls = {}, []  # each chunk's hidden rows
         if in_rows and self.compile_steps and all(c.num_tokens == 1 for c in in_rows):
             hidden = self._forward_rows(in_rows, input_tokens)
             parts.update((id(c), hidden[i : i + 1]) for i, c in enumerate(in_rows))
         elif in_rows:
             calls.append((in_rows, functools.partial(self._forward_eager, in_rows, input_tokens)))
-        for group in self._sequence_groups([c for c in chunks if self._as_sequence(c)]):
+        for group in self._sequence_groups([c for c, sequence in zip(chunks, as_sequence) if sequence]):
             calls.append((group, functools.partial(self._forward_sequences, group)))
         for group, call in calls:
             lengths = None if group is in_rows or len(group) == 1 else [c.num_tokens for c in group]

@@ -41,7 +41,7 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
-from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context
+from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, visible_keys
 from ..kernels.quantized import QuantizedPool, check_quantization
 from .latent_shape import query_tile
 from .softcapped import ADAPTED, adapt_attention
@@ -240,7 +240,7 @@ class PagedLatentCache(PagedLayerCache):
         is the model's RoPE scores (float) or its own mask (None, or boolean), made causal here."""
         (chunk,) = self.plan.prefills
         length, context = queries.shape[2], chunk.context_len
-        causal = mx.arange(context)[None] <= mx.arange(context - length, context)[:, None]
+        causal = visible_keys(mx.arange(context - length, context)[:, None], mx.arange(context)[None])
         if mask is None or isinstance(mask, str):
             mask = causal
         elif mask.dtype == mx.bool_:
