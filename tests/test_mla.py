@@ -10,15 +10,15 @@ from test_engine import PROMPT_LENGTHS, random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import model_check
+from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.engine.request import Request
 from llm_paged_mlx.engine.scheduler import ScheduledChunk
-from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.dialect import CUDA
 from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
-from llm_paged_mlx.models.latent_shape import TILE_SCORE_BYTES, LatentShape, latent_shape, query_tile
 from llm_paged_mlx.models import paged_cache
+from llm_paged_mlx.models.latent_shape import TILE_SCORE_BYTES, LatentShape, latent_shape, query_tile
 from llm_paged_mlx.models.paged_cache import PagedLatentCache, check_model
 
 # The MLA models mlx-lm has, tiny: (architecture, ModelArgs overrides).
