@@ -2,6 +2,7 @@
 
 import json
 import subprocess
+import threading
 import zipfile
 
 import mlx.core as mx
@@ -63,6 +64,18 @@ def test_dequantize_model_matches_quantized_logits():
     scale = mx.abs(quantized).max().item()
     assert mx.allclose(dense, quantized, rtol=1e-2, atol=1e-2 * scale).item()
     assert mx.array_equal(dense[0, -1].argmax(), quantized[0, -1].argmax()).item()
+
+
+def test_dequantized_weights_run_on_another_thread():
+    """An EngineLoop runs the model on its own thread, whose MLX streams are its own: weights that were
+    left lazy on the loading thread could not be evaluated there."""
+    model, tokenizer = load_model(str(smollm2_dir()))
+    tokens = mx.array([tokenizer.encode("The capital of France is")])
+    outcome = []
+    thread = threading.Thread(target=lambda: outcome.append(model(tokens)[0, -1].argmax().item()))
+    thread.start()
+    thread.join()
+    assert outcome == [mx.argmax(model(tokens)[0, -1]).item()]
 
 
 def test_bad_arguments():

@@ -29,8 +29,9 @@ def load_model(path_or_repo: str, *, dequantize: str | bool = "auto", dtype="flo
     device is the CPU; True always does, False never does. `dtype` is "float32" (default),
     "float16" or "bfloat16" (which changes SmolLM2-135M's greedy answers). Raises ValueError
     for a folder without config.json or an architecture mlx-lm does not support, and
-    ModelFetchError when a repo cannot be downloaded. ``lazy`` leaves the weights unread until
-    they are evaluated (a model sharded first reads only its shard).
+    ModelFetchError when a repo cannot be downloaded. The weights are evaluated, so that the model
+    runs on any thread (an ``EngineLoop``'s); ``lazy`` leaves them unread until they are evaluated
+    (a model sharded first reads only its shard).
     """
     if dequantize not in ("auto", True, False):
         raise ValueError(f"dequantize must be 'auto', True or False, not {dequantize!r}")
@@ -42,6 +43,8 @@ def load_model(path_or_repo: str, *, dequantize: str | bool = "auto", dtype="flo
         raise ValueError(f"Cannot load model {path_or_repo}: {e}") from e
     if dequantize is True or (dequantize == "auto" and mx.default_device() == mx.cpu):
         dequantize_model(model, dtype)
+    if not lazy:  # the dequantized weights too: left lazy, they could be evaluated only on this thread's stream
+        mx.eval(model.parameters())
     return model, tokenizer
 
 
