@@ -1,6 +1,12 @@
-"""Files that other processes read and write at the same time: whole-or-nothing writes and a lock."""
+"""Files that other processes read and write at the same time: whole-or-nothing writes and a lock.
+
+Neither follows a symlink found at the file's path: a write replaces the link itself, a lock
+refuses it. So a link planted in one of the project's folders cannot make it create or change
+a file elsewhere.
+"""
 
 import contextlib
+import errno
 import fcntl
 import os
 import tempfile
@@ -48,9 +54,15 @@ def locked(lock_path, timeout: Optional[float] = None) -> Iterator[None]:
 
     With a ``timeout`` (seconds), raise TimeoutError if the lock is still held by then: a
     holder may be suspended (Ctrl-Z) for as long as its user likes. The lock file stays:
-    removing a lock file that another process holds open breaks the lock.
+    removing a lock file that another process holds open breaks the lock. A symlink at
+    ``lock_path`` is an OSError that names it.
     """
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as e:
+        if e.errno == errno.ELOOP and os.path.islink(lock_path):  # O_NOFOLLOW's refusal
+            raise OSError(f"{lock_path} is a symbolic link, not a lock file; remove it") from None
+        raise
     try:
         if timeout is None:
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -63,9 +63,13 @@ class UserModels:
 
     @contextlib.contextmanager
     def _locked(self):
-        """Hold the registry's lock (between processes) for a read-modify-write."""
+        """Hold the registry's lock (between processes) for a read-modify-write; ValueError if it cannot be had."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        with files.locked(self.lock_path):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(files.locked(self.lock_path))
+            except OSError as e:  # a symlink there, a read-only folder...
+                raise ValueError(f"cannot lock the model registry: {e}") from None
             yield
 
     def _save(self, models: dict) -> None:

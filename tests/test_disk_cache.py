@@ -33,6 +33,7 @@ from llm_paged_mlx.engine.disk import store as store_module
 from llm_paged_mlx.engine.disk.admin import clear_directory, directory_info
 from llm_paged_mlx.engine.disk.store import KVDiskCache, KVDiskCacheWarning
 from llm_paged_mlx.engine.block_manager import chain_hash
+from llm_paged_mlx.engine.loop import EngineLoop
 from llm_paged_mlx.models import identity
 from llm_paged_mlx.models.identity import model_identity
 
@@ -219,7 +220,7 @@ def _recording_layout(cache: KVDiskCache) -> KVDiskCache:
     return cache
 
 
-def test_a_failing_write_warns_once_and_leaves_nothing(tmp_path, monkeypatch):
+def test_a_failing_write_warns_once_leaves_nothing_and_turns_writing_off(tmp_path, monkeypatch):
     def disk_full(file, payload):
         file.write(payload[: len(payload) // 2])
         raise OSError(errno.ENOSPC, "No space left on device")
@@ -234,11 +235,118 @@ def test_a_failing_write_warns_once_and_leaves_nothing(tmp_path, monkeypatch):
     assert out.token_ids == reference(model, prompt, 12)
     assert len(seen) == 1 and "No space left" in str(seen[0].message)
     assert list(tmp_path.iterdir()) == []
-    assert engine.disk.info()["write_errors"] == 6
+    assert (engine.disk.info()["write_errors"], engine.disk.skipped_writes) == (1, 5)  # the rest were not tried
     monkeypatch.undo()
-    assert engine.generate([prompt], GREEDY)[0].token_ids == out.token_ids
-    engine.disk.flush()
-    assert engine.disk.info()["blocks"] == 6
+    with caught() as seen:
+        assert engine.generate([prompt], GREEDY)[0].token_ids == out.token_ids
+        engine.disk.flush()
+    assert seen == [] and list(tmp_path.iterdir()) == []  # off for the rest of the process
+
+
+# -- a folder that cannot be written: writing off with one warning, every request served ---------
+
+WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+FOLDER_ERRORS = [errno.EROFS, errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM]
+
+
+def unwritable(monkeypatch, directory, error=errno.EROFS):
+    """Fail every change under ``directory`` with ``error``, as a read-only, full or another user's folder does
+    (as root, chmod stops nothing); reading still works."""
+    inside = str(directory)
+
+    def refuse(name, changes=lambda *args: True):
+        real = getattr(os, name)
+
+        def call(path, *args, **kwargs):
+            if os.fspath(path).startswith(inside) and changes(*args):
+                raise OSError(error, os.strerror(error), os.fspath(path))
+            return real(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, name, call)
+
+    refuse("open", lambda flags, *mode: flags & WRITING)
+    for name in ("utime", "unlink", "replace", "rename", "mkdir", "rmdir"):
+        refuse(name)
+
+
+def snapshot(directory):
+    """Every file's name, content and mtime."""
+    return {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in Path(directory).iterdir()}
+
+
+@pytest.mark.parametrize("error", FOLDER_ERRORS, ids=errno.errorcode.get)
+def test_an_unwritable_folder_turns_writing_off_with_one_warning_and_fails_no_request(error, tmp_path, monkeypatch):
+    """A hit's mtime refresh (os.utime) raised out of the lookup: every step failed, the request without a
+    disk hit in it too."""
+    model = tiny_model("llama")
+    prompt, new_turn = conversation()
+    follow_up = prompt + first_turn(model, tmp_path, prompt) + new_turn
+    other = random_prompts([60], seed=21)[0]  # nothing of it on disk
+    before = snapshot(tmp_path)
+    unwritable(monkeypatch, tmp_path, error)
+    with caught() as seen:
+        engine = cached_engine(model, tmp_path)
+        hit, miss = engine.generate([follow_up, other], GREEDY)
+        engine.disk.flush()
+    assert hit.token_ids == reference(model, follow_up, 12) and miss.token_ids == reference(model, other, 12)
+    assert hit.num_disk_cached_tokens == 6 * BLOCK and miss.num_disk_cached_tokens == 0  # the blocks are still read
+    assert engine.blocks.num_free_blocks == engine.blocks.num_usable_blocks  # none leaked
+    assert len(seen) == 1 and os.strerror(error) in str(seen[0].message)
+    assert "writes nothing more" in str(seen[0].message) and str(tmp_path) in str(seen[0].message)
+    with caught() as seen:
+        assert engine.generate([other], GREEDY)[0].token_ids == miss.token_ids
+        engine.disk.close()
+    assert seen == [] and engine.disk.info()["writes"] == 0
+    assert snapshot(tmp_path) == before  # nothing written, touched, removed or half-written
+
+
+def test_an_unwritable_folder_fails_no_request_of_an_engine_loop(tmp_path, monkeypatch):
+    """The way llm and the server run the engine: both requests ended in StepFailed."""
+    model = tiny_model("llama")
+    prompt, new_turn = conversation(seed=23)
+    follow_up = prompt + first_turn(model, tmp_path, prompt) + new_turn
+    other = random_prompts([60], seed=25)[0]
+    unwritable(monkeypatch, tmp_path)
+    built = []
+
+    def build(config, weights):
+        built.append(cached_engine(model, tmp_path))
+        return built[-1]
+
+    loop = EngineLoop(build)
+    with caught() as seen:
+        submissions = [loop.submit(tokens, GREEDY) for tokens in (follow_up, other)]
+        answers = [[t for chunk in submission for t in chunk.token_ids] for submission in submissions]
+        loop.stop()
+    assert answers == [reference(model, follow_up, 12), reference(model, other, 12)]
+    assert built[0].stats()["disk_cache_hit_tokens"] > 0 and built[0].stats()["used_blocks"] == 0
+    assert len(seen) == 1 and "Read-only file system" in str(seen[0].message)
+
+
+def test_a_folder_that_cannot_be_made_turns_writing_off_not_the_engine(tmp_path, monkeypatch):
+    """The cache made its folder in its constructor: the error failed the model's loading."""
+    unwritable(monkeypatch, tmp_path)
+    model = tiny_model("llama")
+    prompt = random_prompts([40], seed=27)[0]
+    with caught() as seen:
+        engine = cached_engine(model, tmp_path / "kv-cache")
+        assert engine.generate([prompt], GREEDY)[0].token_ids == reference(model, prompt, 12)
+        engine.disk.flush()
+    assert len(seen) == 1 and "could not make the folder" in str(seen[0].message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_bad_file_in_an_unwritable_folder_is_kept_and_recomputed(tmp_path, monkeypatch):
+    """Its removal failed unnoticed, and the warning said it was removed."""
+    cache, path = _stored_file(tmp_path)
+    _flip_last_byte(path)
+    damaged = path.read_bytes()
+    unwritable(monkeypatch, tmp_path)
+    with caught() as seen:
+        assert cache.load_chain(None, [list(range(BLOCK))], LAYOUT) == []
+    off, bad = (str(w.message) for w in seen)  # writing turned off, then the file's own warning
+    assert f"could not remove {path.name}" in off and "Read-only file system" in off
+    assert "checksum" in bad and "kept it" in bad and path.read_bytes() == damaged
 
 
 def test_files_are_private(tmp_path):
@@ -792,6 +900,38 @@ def test_the_cache_info_command_lists_a_directory_of_bad_files(tmp_path, monkeyp
     result = CliRunner().invoke(cli, ["paged-mlx", "cache", "info"])
     assert result.exit_code == 0 and result.exception is None, result.output
     assert "1 blocks" in result.output and "abababababababab: 1 blocks" in result.output
+
+
+@pytest.mark.parametrize("target_exists", [False, True], ids=["to nothing", "to a file"])
+def test_a_symlink_at_the_lock_is_never_followed_and_turns_writing_off(target_exists, tmp_path, monkeypatch):
+    """The lock was opened with O_CREAT and without O_NOFOLLOW: a link there made llm create its target."""
+    from click.testing import CliRunner
+    from llm.cli import cli
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    directory, target = tmp_path / "paged-mlx" / "kv-cache", tmp_path / "outside"
+    directory.mkdir(parents=True)
+    if target_exists:
+        target.write_text("mine")
+        os.utime(target, ns=(0, 0))
+    lock = directory / admin.LOCK_FILE
+    lock.symlink_to(target)
+    refused = f"{lock} is a symbolic link, not a lock file; remove it"
+    cache = KVDiskCache(directory, "fake")
+    with caught() as seen:
+        store(cache, list(range(BLOCK)))  # written; the eviction after it takes the lock
+        store(cache, list(range(100, 100 + BLOCK)))  # not written: writing is off
+        assert len(cache.load_chain(None, [list(range(BLOCK))], LAYOUT)) == 1
+        cache.close()  # its hit count is not added
+    assert len(seen) == 1 and refused in str(seen[0].message)
+    written = cache._path(chain_hash(None, list(range(BLOCK))))
+    assert sorted(p.name for p in directory.iterdir()) == [admin.LOCK_FILE, written.name] and cache.skipped_writes == 1
+    result = CliRunner().invoke(cli, ["paged-mlx", "cache", "clear"])
+    assert result.exit_code == 1 and isinstance(result.exception, SystemExit), result.output
+    assert result.output == f"Error: could not clear {directory}: {refused}\n" and written.is_file()
+    assert target.exists() == target_exists and lock.is_symlink()
+    if target_exists:
+        assert target.read_text() == "mine" and target.stat().st_mtime_ns == 0
 
 
 # -- the real model -----------------------------------------------------------------

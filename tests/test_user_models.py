@@ -1,6 +1,8 @@
 """The JSON registry of user models: round trips, atomic and locked writes, and clear errors."""
 
 import json
+import os
+import re
 import subprocess
 import sys
 
@@ -96,6 +98,32 @@ def test_imported_folder_is_only_the_folder_import_gguf_made_for_that_name(tmp_p
                          ("c", imported / "c"), ("loop", imported / "loop"), ("gone", imported / "gone")]:
         with pytest.raises(ValueError):
             imported_folder(imported, name, str(source))
+
+
+@pytest.mark.parametrize("target_exists", [False, True], ids=["to nothing", "to a file"])
+def test_a_symlink_at_the_lock_is_a_clear_error_and_never_followed(target_exists, tmp_path, monkeypatch):
+    """The lock was opened with O_CREAT and without O_NOFOLLOW: a link there made add create its target."""
+    from click.testing import CliRunner
+    from llm.cli import cli
+
+    monkeypatch.setenv("LLM_USER_PATH", str(tmp_path))
+    registry, target = UserModels(tmp_path / "paged-mlx"), tmp_path / "outside"
+    registry.add("one", {"source": "org/repo"})
+    if target_exists:
+        target.write_text("mine")
+        os.utime(target, ns=(0, 0))
+    registry.lock_path.unlink()
+    registry.lock_path.symlink_to(target)
+    message = f"cannot lock the model registry: {registry.lock_path} is a symbolic link, not a lock file; remove it"
+    for change in (lambda: registry.add("two", {"source": "org/other"}), lambda: registry.remove("one")):
+        with pytest.raises(ValueError, match=re.escape(message)):
+            change()
+    result = CliRunner().invoke(cli, ["paged-mlx", "add", "org/other", "--alias", "two"])
+    assert result.exit_code == 1 and result.output == f"Error: {message}\n"
+    assert list(registry.load()) == ["one"]
+    assert target.exists() == target_exists and registry.lock_path.is_symlink()
+    if target_exists:
+        assert target.read_text() == "mine" and target.stat().st_mtime_ns == 0
 
 
 CONCURRENT_ADDS = """

@@ -22,6 +22,12 @@ a process's exit waits for the writer. Eviction given up is tried after the next
 Caches close (finish their writes, add their hit counts) at the process's exit, unless
 made with ``close_at_exit=False``: then their owner closes them.
 
+The tier is a cache: no error of its files fails a request. The first change to the directory
+that fails (a write, a hit's mtime, a removal, the lock, the hit counts; on a folder that is
+read-only, full or another user's, or with a symlink where the lock should be) turns writing off
+for that directory in this process, with one warning. Its blocks are still read: reading changes
+nothing, and every file is checked. Nothing more is written, touched or removed there.
+
 If the writer thread dies (only an error that is not an ``Exception`` can end it),
 ``flush`` and ``close`` stop waiting for it, the blocks it had not written are dropped
 and counted (``dropped_writes``), one warning says so, and this process saves no more
@@ -30,7 +36,6 @@ blocks to that directory: a thread that died once would likely die again.
 
 import atexit
 import collections
-import contextlib
 import os
 import threading
 import time
@@ -79,7 +84,6 @@ class KVDiskCache:
         if budget_bytes <= 0:
             raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
         self.directory = Path(directory)
-        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
         self.model_id = model_id
         self.key = admin.model_key(model_id)
         self.budget_bytes = budget_bytes
@@ -92,6 +96,10 @@ class KVDiskCache:
         self._pending_bytes = 0
         self._clock = 0  # the last mtime given, in ns, so that order survives a coarse clock
         self._writer = _writer_for(self.directory)
+        try:
+            self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:
+            self._writer.turn_off(f"could not make the folder ({e})")
         if close_at_exit:
             _CLOSE_AT_EXIT.add(self)
 
@@ -105,8 +113,8 @@ class KVDiskCache:
         ``blocks`` are the blocks' token ids, the first following the block whose
         chain hash is ``parent`` (None: the sequence's start). ``layout`` is the
         name, shape and dtype of each array a block holds (``ModelRunner.block_layout``). A
-        malformed file, or anything but a file, is removed, with a warning, and ends
-        the chain; so does a file that cannot be read, which stays.
+        malformed file, or anything but a file, is removed (unless writing is off), with a
+        warning, and ends the chain; so does a file that cannot be read, which stays. Raises no OSError.
         """
         found = []
         for tokens in blocks:
@@ -124,14 +132,13 @@ class KVDiskCache:
         with self._lock:
             self.hits += len(found)
             self.misses += int(len(found) < len(blocks))
-        base = self._stamp(len(found))
-        for position, (path, _) in enumerate(found):
-            _touch(path, base - position)
+        if self._writer.writable():
+            self._touch([path for path, _ in found])
         return [[device(a, dtype) for a, (_, _, dtype) in zip(kv, layout)] for _, kv in found]
 
     def _read(self, path: Path, max_size: int) -> Optional[tuple[bytes, os.stat_result]]:
         """The file's bytes and stat; None if it is not there, was no file of at most ``max_size``
-        bytes (removed, with a warning), or could not be read in ``READ_ATTEMPTS`` tries."""
+        bytes (``_discard``, with a warning), or could not be read in ``READ_ATTEMPTS`` tries."""
         for attempt in range(READ_ATTEMPTS):
             if attempt:
                 time.sleep(READ_RETRY_S)
@@ -153,11 +160,33 @@ class KVDiskCache:
         return None
 
     def _discard(self, path: Path, reason: str, stat: os.stat_result) -> None:
-        """Remove what was found at ``path`` (``stat``), unless a good file replaced it meanwhile."""
-        message = f"KV disk cache: {path.name} {reason}; removed it, its tokens are recomputed"
+        """Remove what was found at ``path`` (``stat``), unless a good file replaced it meanwhile or
+        writing is off."""
+        removed = self._writer.writable()
+        if removed:
+            try:
+                admin.remove_entry(path, stat)
+            except FileNotFoundError:  # removed meanwhile by another process
+                pass
+            except OSError as e:
+                self._writer.turn_off(f"could not remove {path.name} ({e})")
+                removed = False
+        outcome = "removed it" if removed else "kept it"
+        message = f"KV disk cache: {path.name} {reason}; {outcome}, its tokens are recomputed"
         warnings.warn(message, KVDiskCacheWarning, stacklevel=3)
-        with contextlib.suppress(OSError):
-            admin.remove_entry(path, stat)
+
+    def _touch(self, paths: Sequence[Path]) -> None:
+        """Refresh the mtimes of files just used, so that eviction takes them last (see ``_stamp``)."""
+        base = self._stamp(len(paths))
+        for position, path in enumerate(paths):
+            mtime = base - position
+            try:
+                os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
+            except FileNotFoundError:  # evicted meanwhile
+                pass
+            except OSError as e:
+                self._writer.turn_off(f"could not mark {path.name} as used ({e})")
+                return
 
     # -- writing (the engine's thread queues, the writer's thread writes) ------------
 
@@ -179,7 +208,7 @@ class KVDiskCache:
                 todo.append((parent, tokens, block_ids[index]))
         if not todo:
             return 0
-        if not self._writer.alive():
+        if not self._writer.accepts():
             with self._lock:
                 self.skipped_writes += len(todo)
             return 0
@@ -214,7 +243,7 @@ class KVDiskCache:
         with self._lock:
             hits, misses = self.hits - self._recorded[0], self.misses - self._recorded[1]
             self._recorded = (self.hits, self.misses)
-        if not (hits or misses):
+        if not (hits or misses) or not self._writer.writable():  # counts are a report: losing them loses no data
             return
         try:
             admin.add_hits(self.directory, self.model_id, hits, misses)
@@ -222,16 +251,22 @@ class KVDiskCache:
             with self._lock:  # a later close adds them
                 self._recorded = (self._recorded[0] - hits, self._recorded[1] - misses)
             self._lock_timed_out("this process's hit counts not added")
-        except OSError:  # counts are a report, not data: a failure only loses them
-            pass
+        except OSError as e:
+            self._writer.turn_off(f"could not add the hit counts ({e})")
 
     def _write(self, job) -> bool:
-        """Write one block's file (the writer's thread); False if it failed, with a warning the first time."""
+        """Write one block's file (the writer's thread); False if writing is off, or it failed and turned it off."""
         digest, tokens, kv, names, mtime = job
+        if not self._writer.writable():  # a write failed since this block was queued
+            with self._lock:
+                self.skipped_writes += 1
+            return False
         try:
             files.write_atomically(self._path(digest), encode(tokens, kv, names, self.model_id, digest), mtime_ns=mtime)
         except Exception as e:  # a full disk, a read-only folder...: the engine goes on without it
-            self._failed(f"could not write to {self.directory}: {e}")
+            with self._lock:
+                self.write_errors += 1
+            self._writer.turn_off(f"could not write a block ({e})")
             return False
         with self._lock:
             self.writes += 1
@@ -248,6 +283,8 @@ class KVDiskCache:
 
         A chain's later blocks have older mtimes (see ``_stamp``), so a tail goes before its prefix.
         """
+        if not self._writer.writable():
+            return
         try:
             with admin.locked(self.directory, admin.LOCK_WAIT_S):
                 files = sorted(admin.block_files(self.directory, self.key), key=lambda entry: entry[2])
@@ -262,14 +299,7 @@ class KVDiskCache:
         except TimeoutError:
             self._lock_timed_out("eviction put off to the next writes")
         except OSError as e:
-            self._failed(f"could not evict from {self.directory}: {e}")
-
-    def _failed(self, message: str) -> None:
-        with self._lock:
-            self.write_errors += 1
-            first = self.write_errors == 1
-        if first:
-            warnings.warn(f"KV disk cache: {message}", KVDiskCacheWarning)
+            self._writer.turn_off(f"could not evict ({e})")
 
     def _lock_timed_out(self, consequence: str) -> None:
         """Another process held the directory's lock too long: say so the first time."""
@@ -286,7 +316,7 @@ class KVDiskCache:
     def info(self) -> dict:
         """``directory_info`` plus the budget and this cache's counts: blocks found (hits), lookups that
         stopped at a block not on disk (misses), files that could not be read, blocks written, failed,
-        skipped (over ``max_pending_bytes``, or the writer was dead) and dropped by a dying writer,
+        skipped (over ``max_pending_bytes``, writing was off or the writer dead) and dropped by a dying writer,
         and evictions or hit counts given up on a lock another process held too long."""
         self.flush()
         return {
@@ -324,11 +354,6 @@ class KVDiskCache:
             return self._clock
 
 
-def _touch(path, mtime: int) -> None:
-    with contextlib.suppress(FileNotFoundError):  # evicted meanwhile
-        os.utime(path, ns=(mtime, mtime), follow_symlinks=False)
-
-
 def _is_file(path: Path) -> bool:
     """Whether a regular file is at ``path`` (a symlink to one is not: it is replaced when found)."""
     try:
@@ -358,22 +383,41 @@ class _Writer:
         self._unfinished = 0  # jobs queued or taken whose write and eviction are not done
         self._dead = False
         self._cause: Optional[BaseException] = None  # what ended the thread, if it said
+        self._off: Optional[str] = None  # the failure that turned writing to the directory off
         self._thread = threading.Thread(target=self._run, name=f"kv-disk-cache {directory}", daemon=True)
         self._thread.start()
 
     def submit(self, cache: KVDiskCache, job) -> bool:
-        """Queue a block of ``cache``; False if the thread is dead."""
+        """Queue a block of ``cache``; False if writing is off or the thread is dead."""
         with self._cond:
-            if not self._alive():
+            if self._off is not None or not self._alive():
                 return False
             self._queued.append((cache, job))
             self._unfinished += 1
             self._cond.notify_all()
         return True
 
-    def alive(self) -> bool:
+    def accepts(self) -> bool:
+        """Whether a block submitted now would be written: writing is on and the thread lives."""
         with self._cond:
-            return self._alive()
+            return self._off is None and self._alive()
+
+    def writable(self) -> bool:
+        """Whether this process still changes the directory: no change to it has failed."""
+        return self._off is None
+
+    def turn_off(self, failure: str) -> None:
+        """Change the directory no more in this process; the first ``failure`` is said in a warning."""
+        with self._cond:
+            first = self._off is None
+            if first:
+                self._off = failure
+        if first:
+            message = (
+                f"KV disk cache: {failure}; this process writes nothing more to {self.directory}"
+                " (it still reads the blocks there)"
+            )
+            warnings.warn(message, KVDiskCacheWarning)
 
     def wait(self) -> None:
         """Until every queued job is done, or the thread is dead."""
