@@ -1,31 +1,28 @@
 # make demo: set up .venv and answer one question with the offline default model.
-# make test: set up .venv with the test dependencies and run the test suite.
+# make test: run the test suite in a venv of its own (.venv-test), leaving .venv as make demo made it.
 
 PYTHON ?= python3
 VENV ?= .venv
-BIN := $(VENV)/bin
-OPENBLAS := /usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3
-# MLX's Linux CPU wheel uses the reference BLAS; OpenBLAS, when installed, is much faster.
-WITH_BLAS = env $$([ -e $(OPENBLAS) ] && echo LD_PRELOAD=$(OPENBLAS))
-# Where the tests keep the converted SmolLM2 between runs.
-TEST_CACHE ?= $(HOME)/.cache/llm-paged-mlx/models
+TEST_VENV ?= .venv-test
+# MLX's Linux CPU wheel bundles the slow reference BLAS; once OpenBLAS is installed, the package
+# makes MLX call it instead (llm_paged_mlx_openblas.py).
+OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 
 .PHONY: demo test install openblas clean
 
 demo: install openblas
-	$(WITH_BLAS) $(BIN)/llm -m paged-smollm2 "What is the capital of France?"
+	$(VENV)/bin/llm -m paged-smollm2 "What is the capital of France?"
 
-test: openblas $(BIN)/python
-	$(BIN)/pip install -q -e ".[test]"
-	if [ -d tests/plugin_pkg ]; then $(BIN)/pip install -q -e tests/plugin_pkg; fi
-	LLM_PAGED_MLX_CACHE="$${LLM_PAGED_MLX_CACHE:-$(TEST_CACHE)}" $(WITH_BLAS) $(BIN)/python -m pytest -q
+test: openblas $(TEST_VENV)/bin/python
+	$(TEST_VENV)/bin/pip install -q -e ".[test]" -e tests/plugin_pkg
+	$(TEST_VENV)/bin/python -m pytest -q
 
-install: $(BIN)/python
-	$(BIN)/pip install -q -e .
+install: $(VENV)/bin/python
+	$(VENV)/bin/pip install -q -e .
 
-$(BIN)/python:
-	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
+%/bin/python:
+	$(PYTHON) -m venv $*
+	$*/bin/pip install -q --upgrade pip
 
 # On Linux with apt, install OpenBLAS if it is missing (as root, or with passwordless sudo).
 openblas:
@@ -37,4 +34,4 @@ openblas:
 	fi
 
 clean:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(TEST_VENV)

@@ -1,0 +1,65 @@
+"""MLX's Linux CPU wheel calls OpenBLAS once it is installed, with nothing to set (llm_paged_mlx_openblas).
+
+Each test starts a Python of this environment without LD_PRELOAD: what brings OpenBLAS in is the
+``.pth`` file installed with the package.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import llm_paged_mlx_openblas as openblas
+
+pytestmark = pytest.mark.skipif(
+    not (sys.platform == "linux" and os.path.isfile(openblas.OPENBLAS) and openblas.bundled_blas()),
+    reason="needs Linux, OpenBLAS (libopenblas0-pthread) and MLX's wheel with the BLAS it bundles")
+
+# Products and an inverse (BLAS and LAPACK) of the same random matrices, against numpy's in float64.
+PRODUCTS = """
+import json
+import mlx.core as mx
+import numpy as np
+
+rng = np.random.default_rng(0)
+a, b = rng.standard_normal((2, 300, 200)).astype(np.float32), rng.standard_normal((200, 300)).astype(np.float32)
+square = rng.standard_normal((64, 64)).astype(np.float32) + 8 * np.eye(64, dtype=np.float32)
+product = np.array(mx.array(a) @ mx.array(b))
+inverse = np.array(mx.linalg.inv(mx.array(square), stream=mx.cpu))
+print(json.dumps({
+    "product": float(np.abs(product - a.astype(np.float64) @ b).max()),
+    "inverse": float(np.abs(inverse - np.linalg.inv(square.astype(np.float64))).max()),
+}))
+"""
+
+
+def python(code: str, **env) -> str:
+    environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", openblas.ENV)}
+    run = subprocess.run([sys.executable, "-c", code], env={**environment, **env}, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.strip()
+
+
+BLAS_IN_USE = "import llm_paged_mlx_openblas; print(llm_paged_mlx_openblas.blas_in_use())"
+
+
+def test_mlx_calls_openblas():
+    assert python(BLAS_IN_USE) == os.path.realpath(openblas.OPENBLAS)
+
+
+def test_turned_off_mlx_calls_the_blas_it_bundles():
+    assert python(BLAS_IN_USE, LLM_PAGED_MLX_OPENBLAS="0") in openblas.bundled_blas()
+
+
+def test_a_process_that_does_not_import_mlx_loads_no_blas():
+    maps = python("print(open('/proc/self/maps').read())")
+    assert "blas" not in maps
+
+
+def test_openblas_computes_what_the_bundled_blas_computes():
+    errors = {way: json.loads(python(PRODUCTS, **env)) for way, env in
+              {"openblas": {}, "bundled": {"LLM_PAGED_MLX_OPENBLAS": "0"}}.items()}
+    for way, error in errors.items():
+        assert error["product"] < 1e-4 and error["inverse"] < 1e-5, (way, error)
