@@ -1,7 +1,9 @@
 """The llm plugin: MLX models served by the paged engine, as ``llm -m paged-...``.
 
 Every prompt, sync or async, goes to its model's engine loop (``engines``), so
-concurrent prompts share the engine's steps.
+concurrent prompts share the engine's steps. llm imports every plugin as it
+starts (``llm --help`` too), so mlx and mlx-lm, seconds of imports, come at a
+model's first prompt instead, where a Ctrl-C ends ``llm`` with ``Aborted!``.
 """
 
 import math
@@ -12,13 +14,11 @@ from typing import Callable
 import llm
 from llm.parts import TextPart, ToolCallPart, ToolResultPart
 
-from . import chat
 from .catalog import builtin_models, registered_models
 from .engine.loop import StepFailed, Submission
 from .engines import ModelLoadError, engine_loop
 from .errors import one_line
 from .options import PagedOptions, engine_options, sampling_params
-from .tool_calls import ToolCallReader
 
 
 @llm.hookimpl
@@ -127,13 +127,15 @@ class _PagedBase:
         self.fetch = fetch
 
     def _submit(self, prompt) -> Submission:
+        from .chat import render_prompt
+
         try:
             params = sampling_params(prompt.options, prompt.schema)
         except ValueError as e:
             raise llm.ModelError(one_line(e)) from None
         messages, tools = chat_messages(prompt), tool_specs(prompt)
         loop = engine_loop(self.model_id, self.source, self.fetch, tensor_parallel=prompt.options.tensor_parallel or 1)
-        render = lambda tokenizer: chat.render_prompt(tokenizer, messages, tools)  # noqa: E731
+        render = lambda tokenizer: render_prompt(tokenizer, messages, tools)  # noqa: E731
         return loop.submit(render, params, engine_options(prompt.options))
 
 
@@ -150,6 +152,8 @@ class _Answer:
         if not self.tools:
             return chunk.text or ""
         if self.reader is None:  # the tokenizer is known once the request is admitted, before its first chunk
+            from .tool_calls import ToolCallReader
+
             self.reader = ToolCallReader(self.submission.tokenizer, self.tools)
         text = self.reader.feed(chunk.text or "")
         return text + self.reader.finish() if chunk.finish_reason else text

@@ -270,6 +270,22 @@ def test_async_then_sync_in_one_process(tmp_path):
     assert result.stdout == "The capital of France is Paris.\n" * 2
 
 
+LOADED_MODULES = """
+import sys
+from llm.cli import cli
+cli(["models", "list"], standalone_mode=False)
+print(" ".join(m for m in ("llm_paged_mlx.plugin", "mlx", "mlx_lm", "transformers") if m in sys.modules))
+"""
+
+
+def test_llm_loads_the_plugin_and_lists_its_models_without_importing_mlx(tmp_path):
+    """llm imports every plugin as it starts (``llm --help`` too): a Ctrl-C then, inside mlx-lm's import of
+    transformers, was a 40-line traceback. mlx and mlx-lm are imported at a model's first prompt."""
+    result = run_process(tmp_path, "python", "-c", LOADED_MODULES, LLM_LOAD_PLUGINS="llm-paged-mlx")
+    assert result.returncode == 0 and "paged-smollm2" in result.stdout, result.stderr
+    assert result.stdout.splitlines()[-1] == "llm_paged_mlx.plugin"
+
+
 def test_hub_model_without_network_is_a_clean_error(tmp_path):
     result = run_process(tmp_path, "llm", "-m", "paged-qwen", "hi", HF_HOME=tmp_path / "hf", HF_HUB_OFFLINE="1")
     assert result.returncode == 1
@@ -470,7 +486,7 @@ def test_cache_clear_fails_in_one_line(user_dir, monkeypatch, trouble, words):
     with trouble(kv_cache, monkeypatch):
         clear = threading.Thread(target=lambda: results.append(run_llm("paged-mlx", "cache", "clear")), daemon=True)
         clear.start()
-        clear.join(10)
+        clear.join(120)
         assert results, "cache clear waits for the lock"
     assert_clean_error(results[0], *words)
     assert (kv_cache / f"{'ab' * 8}-{'0' * 32}.safetensors").exists()

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import openai
@@ -23,13 +24,13 @@ import uvicorn
 from faults import Fault
 from models import tiny_model
 from smollm2 import smollm2_dir
-from test_engine_loop import wait_until
+from test_engine_loop import read_within, wait_until
 from test_plugin import FRANCE, loaded, mlx_lm_answer
 
 from llm_paged_mlx import Engine, SamplingParams, engines
 from llm_paged_mlx.catalog import CACHE_ENV
 from llm_paged_mlx.engine.disk.admin import block_files
-from llm_paged_mlx.engine.loop import EXIT_WAIT_S, EngineLoop
+from llm_paged_mlx.engine.loop import EXIT_WAIT_S, EngineLoop, Submission, exit_at_once
 from llm_paged_mlx.options import PagedOptions, engine_options
 from llm_paged_mlx.server import ServedModel, create_app
 
@@ -265,10 +266,8 @@ def test_a_client_that_disconnects_mid_stream_frees_its_blocks(client, server):
         pass
     assert metric(server, "vllm:num_requests_running") == 1 and metric(server, "vllm:kv_cache_usage_perc") > 0
     stream.close()
-    deadline = time.monotonic() + 10
-    while metric(server, "vllm:kv_cache_usage_perc") > 0 or metric(server, "vllm:num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the disconnected request still holds blocks"
-        time.sleep(0.05)
+    wait_until(lambda: metric(server, "vllm:kv_cache_usage_perc") == 0
+               and metric(server, "vllm:num_requests_running") == 0)  # fmt: skip
 
 
 # -- bad input ----------------------------------------------------------------
@@ -406,11 +405,21 @@ def test_a_body_over_the_limit_is_413(served):
         running.stop()
 
 
-def test_a_full_queue_is_503():
+def test_a_full_queue_is_503(monkeypatch):
     """One request runs at a time here; with one waiting, the next is refused until the queue drains."""
     loop = EngineLoop(lambda config, weights: Engine(tiny_model("llama"), None, num_blocks=64, max_num_seqs=1),
                       max_waiting=1)
     loop.prepare().result()
+    release, step, tokens = threading.Event(), Engine.step, []
+
+    def held_after_the_first_token(engine):  # the running request cannot end while the queue is tried
+        if tokens:
+            release.wait()
+        chunks = step(engine)
+        tokens.extend(t for chunk in chunks for t in chunk.token_ids)
+        return chunks
+
+    monkeypatch.setattr(Engine, "step", held_after_the_first_token)
     running = Running(create_app(ServedModel("tiny", loop, max_tokens_limit=4000)))
     client = openai.OpenAI(base_url=f"{running.url}/v1", api_key="none", max_retries=0)
     try:
@@ -418,17 +427,16 @@ def test_a_full_queue_is_503():
         next(iter(first))
         waiting = threading.Thread(target=lambda: client.completions.create(model="tiny", prompt=[4], max_tokens=2))
         waiting.start()
-        deadline = time.monotonic() + 10
-        while metric(running, "vllm:num_requests_waiting") < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: metric(running, "vllm:num_requests_waiting") >= 1)
         with pytest.raises(openai.APIStatusError, match="busy") as refused:
             client.completions.create(model="tiny", prompt=[5], max_tokens=2)
         assert refused.value.status_code == 503
+        release.set()
         first.close()
-        waiting.join(timeout=60)
+        waiting.join(timeout=120)
         assert client.completions.create(model="tiny", prompt=[5], max_tokens=2).usage.completion_tokens == 2
     finally:
+        release.set()
         running.stop()
         loop.stop()
 
@@ -440,16 +448,19 @@ def tiny_engine(config=None, weights=None) -> Engine:
     return Engine(tiny_model("llama"), None, num_blocks=64)
 
 
-async def asgi_call(app, path: str, body: dict, disconnect_after: float = None) -> tuple[int, bytes]:
+async def asgi_call(app, path: str, body: dict, disconnect_after=None) -> tuple[int, bytes]:
     """POST ``body`` to ``app`` as an ASGI server would, the client disconnecting after ``disconnect_after``
-    seconds (None: never); the response's status and body."""
+    (seconds, or a coroutine function to await; None: never); the response's status and body."""
     pending = [{"type": "http.request", "body": json.dumps(body).encode(), "more_body": False}]
     sent = []
 
     async def receive():
         if pending:
             return pending.pop(0)
-        await asyncio.sleep(3600 if disconnect_after is None else disconnect_after)
+        if callable(disconnect_after):
+            await disconnect_after()
+        else:
+            await asyncio.sleep(3600 if disconnect_after is None else disconnect_after)
         return {"type": "http.disconnect"}
 
     async def send(message):
@@ -464,14 +475,42 @@ async def asgi_call(app, path: str, body: dict, disconnect_after: float = None) 
     return status, b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
 
 
-def test_a_client_gone_before_its_answer_gets_none_and_frees_its_blocks():
+async def until(condition, timeout: float = 120) -> None:
+    """Poll ``condition`` from a coroutine until it holds; ``timeout`` bounds a hang."""
+
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.005)
+
+    await asyncio.wait_for(poll(), timeout)
+
+
+def test_a_client_gone_before_its_answer_gets_none_and_frees_its_blocks(monkeypatch):
     """Not streamed: gone mid-generation, or before the loop took the request (it was busy): no answer is built
     (no 500 for a response nobody reads), the handler does not hang, and no block stays in use."""
     loop = EngineLoop(tiny_engine)
     loop.prepare().result()
     app = create_app(ServedModel("tiny", loop, max_tokens_limit=5000))
     body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4000}
-    assert asyncio.run(asgi_call(app, "/v1/completions", body, disconnect_after=0.3)) == (499, b"")
+    cancelled, cancel, step, tokens = threading.Event(), Submission.cancel, Engine.step, []
+
+    def cancel_told(submission):
+        cancel(submission)
+        cancelled.set()
+
+    def held_until_a_cancel(engine):  # after its first token, the request cannot end before its client has gone
+        if tokens:
+            cancelled.wait()
+        chunks = step(engine)
+        tokens.extend(t for chunk in chunks for t in chunk.token_ids)
+        return chunks
+
+    async def mid_generation():
+        await until(lambda: tokens)
+
+    monkeypatch.setattr(Submission, "cancel", cancel_told)
+    monkeypatch.setattr(Engine, "step", held_until_a_cancel)
+    assert asyncio.run(asgi_call(app, "/v1/completions", body, disconnect_after=mid_generation)) == (499, b"")
     admitting, release = threading.Event(), threading.Event()
 
     def slow_prompt(tokenizer):
@@ -484,7 +523,8 @@ def test_a_client_gone_before_its_answer_gets_none_and_frees_its_blocks():
 
     async def gone_while_the_loop_is_busy():
         call = asyncio.create_task(asgi_call(app, "/v1/completions", body, disconnect_after=0))
-        await asyncio.sleep(0.3)  # submitted, and cancelled by the disconnect
+        # submitted, and cancelled by the disconnect, while the loop is still busy
+        await until(lambda: [s.cancelled for s in list(loop._outstanding) if s is not blocker] == [True])
         release.set()
         return await asyncio.wait_for(call, 30)
 
@@ -566,11 +606,47 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(serve
 # -- the command --------------------------------------------------------------
 
 
-def serve_process(tmp_path, *args) -> subprocess.Popen:
+# `llm paged-mlx serve ...` whose prefill of a long prompt never ends, as a long prefill on a CPU outlasts the
+# exit's wait for it (made argv[1] seconds here); it prints a line as that prefill begins and as the exit begins
+# to wait for it.
+HELD_PREFILL_SERVE = """
+import os, sys, threading
+from llm.cli import cli
+from llm_paged_mlx import Engine
+from llm_paged_mlx.engine import loop
+
+loop.EXIT_WAIT_S = float(sys.argv.pop(1))
+step, stop_at_exit = Engine.step, loop.EngineLoop._stop_at_exit
+
+def held_in_a_long_prefill(engine):
+    if any(len(request.prompt_token_ids) > 200 for request in engine.requests.values()):
+        os.write(1, b"prefilling\\n")
+        threading.Event().wait()
+    return step(engine)
+
+def stop_at_exit_told(engine_loop):
+    os.write(1, b"the exit waits for the step\\n")
+    stop_at_exit(engine_loop)
+
+Engine.step, loop.EngineLoop._stop_at_exit = held_in_a_long_prefill, stop_at_exit_told
+cli(sys.argv[1:])
+"""
+
+
+def serve_process(tmp_path, *args, exit_wait_s: float = None) -> subprocess.Popen:
+    """``llm paged-mlx serve ARGS``; given ``exit_wait_s``, through HELD_PREFILL_SERVE."""
     env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm"), CACHE_ENV: str(smollm2_dir().parent)}
-    llm = Path(sys.executable).parent / "llm"
-    return subprocess.Popen([llm, "paged-mlx", "serve", *map(str, args)], env=env, stdout=subprocess.PIPE,
+    llm = [Path(sys.executable).parent / "llm"]
+    if exit_wait_s is not None:
+        llm = [sys.executable, "-c", HELD_PREFILL_SERVE, str(exit_wait_s)]
+    return subprocess.Popen([*llm, "paged-mlx", "serve", *map(str, args)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
+
+
+def read_until(process: subprocess.Popen, line: str) -> None:
+    """Read the process's stdout up to ``line`` (one of HELD_PREFILL_SERVE's)."""
+    found = read_within(lambda: any(read == line + "\n" for read in process.stdout))
+    assert found, f"{line!r} never came: {process.communicate()[1]}"
 
 
 def test_serve_command_answers_and_stops_cleanly_on_ctrl_c(tmp_path):
@@ -610,7 +686,7 @@ async def signalled_inside_submit():
     await asyncio.sleep(0)
 
 asyncio.run(signalled_inside_submit())
-assert loop.parked.wait(10) and server.should_exit  # the stop began once the handler had returned
+assert loop.parked.wait(120) and server.should_exit  # the stop began once the handler had returned
 assert signal.getsignal(signal.SIGINT) is exit_at_once  # and a second signal ends the process
 """
 
@@ -632,32 +708,69 @@ def test_after_uvicorn_its_exit_signal_ends_run_and_a_second_signal_ends_the_pro
         handler(signal.SIGINT, None)
 
 
+def test_after_its_exit_signal_run_leaves_the_exit_to_a_second_signal_and_to_status_0(monkeypatch):
+    """Once ``run`` has returned, the exit may wait for a step: a second Ctrl-C or SIGTERM still ends the process
+    at once (with Python's handlers back, Ctrl-C there was llm's "Aborted!" and a wait), and a step that outlasts
+    the wait ends it with 0, as one that ends in time does."""
+    import llm_paged_mlx.server as server
+
+    def stopped_by_its_exit_signal(self):
+        raise KeyboardInterrupt  # as _InterruptOnce raises it
+
+    monkeypatch.setattr(server._Server, "run", stopped_by_its_exit_signal)
+    loop = EngineLoop(tiny_engine)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(ServedModel("tiny", loop), "127.0.0.1", free_port())
+        assert [signal.getsignal(signum) for signum in before] == [exit_at_once, exit_at_once]
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+    assert loop.exit_status_past_wait == 0
+    loop.stop()
+
+
 def test_an_exit_signal_that_lands_inside_submit_does_not_deadlock():
     run = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_SUBMIT], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
 
 
-def test_ctrl_c_twice_during_a_long_step_ends_the_server_promptly(tmp_path):
+@contextlib.contextmanager
+def serving_a_held_prefill(tmp_path, exit_wait_s: float) -> Iterator[subprocess.Popen]:
+    """HELD_PREFILL_SERVE, up and in its long prompt's prefill; killed after the block."""
     port = free_port()
-    process = serve_process(tmp_path, "paged-smollm2", "--port", port, "-o", "kv_budget", "256MB",
-                            "-o", "max_num_batched_tokens", 4096)
+    process = serve_process(tmp_path, "paged-smollm2", "--port", port, "-o", "kv_budget", "64MB",
+                            exit_wait_s=exit_wait_s)
     try:
         wait_for_health(process, port)
-        long_prompt = {"model": "paged-smollm2", "prompt": "Paris is lovely. " * 800, "max_tokens": 400}
+        long_prompt = {"model": "paged-smollm2", "prompt": "Paris is lovely. " * 100, "max_tokens": 4}
         threading.Thread(target=lambda: post_to(port, long_prompt), daemon=True).start()
-        time.sleep(1.0)  # its prefill (one long step) is running
-        process.send_signal(signal.SIGINT)
-        time.sleep(0.2)
-        process.send_signal(signal.SIGINT)
-        second = time.monotonic()
-        _, stderr = process.communicate(timeout=60)
+        read_until(process, "prefilling")
+        yield process
     finally:
         process.kill()
-    # The second signal's handler exits at once (test_an_exit_signal_that_lands_inside_submit_does_not_deadlock
-    # checks that it is installed); on a loaded machine both signals can reach Python as one, and then the
-    # exit waits for the step at most EXIT_WAIT_S. 130: ended during the step.
-    assert time.monotonic() - second < EXIT_WAIT_S + 5 and process.returncode in (0, 130), stderr
-    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_an_exit_signal_during_a_long_prefill_exits_with_0_as_during_decode(tmp_path, signum):
+    """SIGTERM (a service manager's stop) or Ctrl-C: the stop asked for, done when the exit stops waiting for the
+    step, as when the step ends in time (test_serve_command_answers_and_stops_cleanly_on_ctrl_c,
+    test_serving_beyond_this_machine_without_a_key_warns_and_sigterm_stops_it_cleanly)."""
+    with serving_a_held_prefill(tmp_path, exit_wait_s=EXIT_WAIT_S) as process:
+        process.send_signal(signum)
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 0 and "did not end within" in stderr and "Traceback" not in stderr, stderr
+
+
+def test_ctrl_c_twice_during_a_long_step_ends_the_server_promptly(tmp_path):
+    """The second Ctrl-C, while the exit waits for a prefill that never ends, ends the process at once: before
+    that wait (made longer than this test's bound on a hang) runs out, and with 130."""
+    with serving_a_held_prefill(tmp_path, exit_wait_s=3600) as process:
+        process.send_signal(signal.SIGINT)
+        read_until(process, "the exit waits for the step")
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130 and "did not end within" not in stderr and "Traceback" not in stderr, stderr
 
 
 def disk_blocks(tmp_path) -> list:
@@ -691,7 +804,13 @@ def test_serving_beyond_this_machine_without_a_key_warns_and_sigterm_stops_it_cl
         wait_for_health(process, port)
         httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", timeout=60,
                    json={"model": "paged-smollm2", "messages": chat("Tell me about Paris. " * 4), "max_tokens": 8})
-        process.send_signal(signal.SIGTERM)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        stream = client.chat.completions.create(model="paged-smollm2", messages=chat("Write a long story."),
+                                                max_tokens=400, stream=True)
+        next(iter(stream))
+        process.send_signal(signal.SIGTERM)  # during a decode
+        with pytest.raises(openai.APIError, match="shutting down"):
+            list(stream)
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()

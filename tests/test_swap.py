@@ -336,7 +336,7 @@ def test_a_swap_in_while_the_write_is_pending_uses_the_copy_in_memory(tmp_path, 
 
     def slow_write(file, array):
         started.set()
-        release.wait(10)
+        release.wait(120)
         written.append(file.name)
         write(file, array)
 
@@ -345,7 +345,7 @@ def test_a_swap_in_while_the_write_is_pending_uses_the_copy_in_memory(tmp_path, 
     before = runner.bits([0])
     writing = policy.swap_out([0], runner)
     queued = policy.swap_out([1], runner)  # waits behind the first write
-    assert started.wait(10)
+    assert started.wait(120)
     policy.swap_in(writing, [6], runner)
     assert runner.bits([6]) == before
     policy.discard(queued)  # never written

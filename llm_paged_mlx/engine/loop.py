@@ -154,6 +154,9 @@ class EngineLoop:
         self.tokenizer = None  # the engine's, once built: for callers that tokenize off the loop's thread
         self.stats: dict = {}  # the engine's stats after its last step (read from any thread)
         self.num_steps = 0
+        # The status of an exit that stops waiting for a step (``_stop_at_exit``): an interrupt's, unless the
+        # owner says that the exit is a stop it was asked for (``server.run``, stopped by SIGINT or SIGTERM).
+        self.exit_status_past_wait = 128 + signal.SIGINT
         self._failures = 0  # steps failed in a row
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._active: dict[int, Submission] = {}  # request id -> submission, on the loop's thread
@@ -223,8 +226,8 @@ class EngineLoop:
     def _stop_at_exit(self) -> None:
         """``stop`` at exit, rather than tear the process down under MLX.
 
-        A step that runs on past ``EXIT_WAIT_S`` (a long prefill on a CPU), or a second Ctrl-C while it
-        waits, ends the process at once with status 130, as an interrupt would: without C++ destructors,
+        A step that runs on past ``EXIT_WAIT_S`` (a long prefill on a CPU) ends the process at once with
+        ``exit_status_past_wait``, and a second Ctrl-C while it waits with 130: without C++ destructors,
         ``on_stop`` (closing the disk tier: its queued writes and hit counts are lost, a cache's) or the
         exit hooks registered before this one. Once the thread is parked, Ctrl-C is ignored so that
         ``on_stop`` finishes; SIG_IGN outlives the interpreter's reset of its handlers.
@@ -235,7 +238,7 @@ class EngineLoop:
             with contextlib.suppress(Exception):  # a closed or broken stderr
                 print(f"llm-paged-mlx: the engine's step did not end within {EXIT_WAIT_S:g} s of the exit; "
                       "exiting without waiting for it", file=sys.stderr, flush=True)
-            exit_at_once(signal.SIGINT, None)
+            exit_now(self.exit_status_past_wait)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         self.stop()
 
@@ -407,7 +410,13 @@ def _stopped() -> LoopStopped:
 
 
 def exit_at_once(signum, frame):
-    """A signal handler that ends the process now, without C++ destructors (which would run under MLX)."""
+    """A signal handler that ends the process now (``exit_now``) with 128 + the signal's number, as a shell
+    reports a process that a signal ended."""
+    exit_now(128 + signum)
+
+
+def exit_now(status: int):
+    """End the process now with ``status``, without C++ destructors (which would run under MLX)."""
     with contextlib.suppress(Exception):  # a closed or broken stdout
         sys.stdout.flush()
-    os._exit(128 + signum)
+    os._exit(status)

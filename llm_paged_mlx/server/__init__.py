@@ -18,7 +18,10 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     """Serve until Ctrl-C or SIGTERM: then every request ends, open streams close, and this returns.
 
     The engine loop is stopped at once (its streams end with a 503 error event) and
-    waited for at exit; a second Ctrl-C or SIGTERM ends the process without waiting.
+    waited for at exit, at most ``loop.EXIT_WAIT_S``; the process exits with 0 whether
+    the step running ended by then or not: it stopped as asked (a service manager takes
+    another status for a failure). A second Ctrl-C or SIGTERM, until the process has
+    ended, ends it at once with 128 + the signal's number.
     """
     app = create_app(served, api_key=api_key, max_body_bytes=max_body_bytes)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
@@ -31,8 +34,9 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     try:
         _Server(config, served.loop).run()
-    except KeyboardInterrupt:
-        pass
+    except KeyboardInterrupt:  # the exit signal, raised again once uvicorn has shut down
+        served.loop.exit_status_past_wait = 0
+        previous = dict.fromkeys(previous, exit_at_once)  # a second signal, until the process has ended
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
