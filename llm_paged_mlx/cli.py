@@ -33,7 +33,7 @@ def add(path_or_repo, name):
     "Register an mlx-lm model folder or a Hugging Face repo (downloaded on first use)"
     try:
         source = check_source(path_or_repo)
-        name = name or Path(source).name
+        name = _alias(name, Path(source).name)
         _check_unused(name)
         user_models().add(name, {"source": source})
     except ValueError as e:
@@ -84,9 +84,9 @@ def import_gguf(gguf_file, name):
     "Convert a llama-architecture GGUF file into an MLX folder and register it"
     from .models.gguf import convert_gguf
 
-    name = name or gguf_file.name.removesuffix(".gguf")
-    target = imported_dir() / name
     try:
+        name = _alias(name, gguf_file.name.removesuffix(".gguf"))
+        target = imported_dir() / name
         if not gguf_file.is_file():
             raise ValueError(f"{gguf_file} is not a file")
         _check_unused(name)
@@ -112,6 +112,16 @@ def fetch_default():
         click.echo(fetch_smollm2())
     except (ValueError, RuntimeError, OSError) as e:
         raise click.ClickException(one_line(e))
+
+
+def _alias(given: str | None, default: str) -> str:
+    """The model id ``--alias`` gives, else ``default``; an empty one is a mistake (a variable left unset, say),
+    not a request for the default."""
+    if given is None:
+        return default
+    if not given.strip():
+        raise ValueError(f"--alias {given!r} is empty: give a model id, or leave --alias out to use {default!r}")
+    return given
 
 
 def _check_unused(name: str) -> None:

@@ -32,10 +32,19 @@ class PagedOptions(BaseModel):
     max_tokens: Optional[int] = Field(
         None, gt=0, description=f"Maximum number of tokens to generate (default {DEFAULT_MAX_TOKENS})"
     )
-    temperature: Optional[float] = Field(None, ge=0, description="Sampling temperature; 0 (the default) is greedy")
-    top_p: Optional[float] = Field(None, gt=0, le=1, description="Nucleus sampling: keep the top tokens up to this probability mass")
+    # inf and nan are no sampling parameters: allow_inf_nan=False names them (a bound alone would let inf by)
+    temperature: Optional[float] = Field(
+        None, ge=0, le=2, allow_inf_nan=False, description="Sampling temperature from 0 to 2; 0 (the default) is greedy"
+    )
+    top_p: Optional[float] = Field(
+        None, gt=0, le=1, allow_inf_nan=False,
+        description="Nucleus sampling: keep the top tokens up to this probability mass",
+    )
     top_k: Optional[int] = Field(None, ge=0, description="Sample from the k most likely tokens only (0: no limit)")
-    min_p: Optional[float] = Field(None, ge=0, le=1, description="Drop tokens less likely than min_p times the most likely one")
+    min_p: Optional[float] = Field(
+        None, ge=0, le=1, allow_inf_nan=False,
+        description="Drop tokens less likely than min_p times the most likely one",
+    )
     seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
     stop: Optional[str] = Field(None, min_length=1, description="Stop generating when this string appears")
     block_size: Optional[int] = Field(None, ge=1, le=1024, description="Tokens per KV cache block (default 16)")

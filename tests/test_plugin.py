@@ -194,7 +194,13 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
 
 @pytest.mark.parametrize("option, value, words", [
     ("temperature", "-1", ["temperature", "greater than or equal to 0"]),
+    ("temperature", "inf", ["temperature", "finite number"]),
+    ("temperature", "nan", ["temperature", "finite number"]),
+    ("temperature", "2.5", ["temperature", "less than or equal to 2"]),
     ("top_p", "0", ["top_p"]),
+    ("top_p", "nan", ["top_p", "finite number"]),
+    ("min_p", "inf", ["min_p", "finite number"]),
+    ("top_k", "inf", ["top_k"]),
     ("max_tokens", "zero", ["max_tokens"]),
     ("block_size", "0", ["block_size"]),
     ("kv_budget", "lots", ["'lots' is not a size"]),
@@ -318,6 +324,9 @@ def test_add_refuses_bad_sources_and_names(user_dir, tmp_path):
     assert_clean_error(run_llm("paged-mlx", "add", "not a repo"), "neither an existing folder")
     assert_clean_error(run_llm("paged-mlx", "add", "org/repo", "--alias", "paged-qwen"), "already a model")
     assert_clean_error(run_llm("paged-mlx", "add", "org/repo", "--alias", "two words"), "not a usable")
+    for blank in ("", "  "):  # not the folder's name in its place
+        assert_clean_error(run_llm("paged-mlx", "add", smollm2_dir(), "--alias", blank), "--alias", "is empty")
+        assert_clean_error(run_llm("paged-mlx", "import-gguf", "x.gguf", "--alias", blank), "--alias", "is empty")
     assert not (user_dir / "paged-mlx" / "models.json").exists()
 
 

@@ -14,12 +14,14 @@ from faults import Fault, Injector, run_through_faults
 from json_schemas import SCHEMAS
 from models import tiny_model
 from smollm2 import smollm2_dir
-from test_engine import collect, reference
+from test_engine import collect, random_prompts, reference
 from test_plugin import assert_clean_error, ok, run_llm, user_dir  # noqa: F401 (a fixture)
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import grammar as grammar_module
+from llm_paged_mlx.engine import sampler
 from llm_paged_mlx.engine.grammar import Grammars, JsonSchemaError, closed
+from llm_paged_mlx.engine.request import Request
 from llm_paged_mlx.models.loading import load_model
 
 QUESTIONS = [
@@ -183,3 +185,58 @@ def test_llm_schema_gives_json_that_fits_for_ten_schemas(user_dir):  # noqa: F81
 def test_llm_schema_errors_are_clean(user_dir):  # noqa: F811
     result = run_llm("-m", "paged-smollm2", "--schema", '{"type": "objectx"}', "Hi")
     assert_clean_error(result, "invalid JSON schema", "objectx")
+
+
+# -- logit_bias in the batched sampler, and the sampling parameters' checks ---------------------
+
+
+def test_logit_bias_changes_only_its_own_requests_tokens_in_a_shared_batch():
+    """Biased and unbiased requests share steps: each unbiased one keeps the tokens it gets alone (greedy:
+    mlx-lm's); a bias of 100 makes its token the only one taken, -100 bans the one greedy takes first."""
+    model = tiny_model("llama")
+    prompts = random_prompts([5, 9, 13, 7], seed=3)
+    greedy = [reference(model, p, 12) for p in prompts]
+    banned = greedy[1][0]
+    params = [
+        SamplingParams(max_tokens=12),
+        SamplingParams(max_tokens=12, logit_bias={banned: -100}),
+        SamplingParams(max_tokens=12, logit_bias={7: 100, 10**6: 5}),  # 10**6: past the logits, nothing to bias
+        SamplingParams(max_tokens=12, temperature=1.0, seed=5),
+    ]
+    alone = Engine(model, num_blocks=32).generate([prompts[3]], [params[3]])[0].token_ids
+    outputs = Engine(model, num_blocks=64).generate(prompts, params)
+    assert outputs[0].token_ids == greedy[0] and outputs[3].token_ids == alone
+    assert len(outputs[1].token_ids) == 12 and banned not in outputs[1].token_ids
+    assert outputs[2].token_ids == [7] * 12
+
+
+def test_a_bias_is_added_to_its_row_and_a_batch_without_one_takes_the_sampler_as_before(monkeypatch):
+    logits = mx.array([[0.0, 1.0, 2.0]] * 2, dtype=mx.bfloat16)
+    rows = [Request(i, [1], SamplingParams(logit_bias=bias), max_total_tokens=8)
+            for i, bias in enumerate([{0: 2.5}, None])]  # fmt: skip
+    assert sampler.sample(logits, rows).tolist() == [0, 2]  # 0 + 2.5 beats 2
+    monkeypatch.setattr(sampler, "_biased", None)  # calling it would fail
+    assert sampler.sample(logits, rows[1:] * 2).tolist() == [2, 2]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", float("inf")), ("temperature", float("nan")), ("temperature", -0.5), ("temperature", "1"),
+    ("top_p", float("nan")), ("top_p", float("inf")), ("top_p", 0),
+    ("min_p", float("nan")), ("min_p", float("inf")), ("min_p", -0.1),
+    ("top_k", float("inf")), ("top_k", float("nan")), ("top_k", -1), ("top_k", 2.5), ("top_k", True),
+    ("seed", 1.5),
+    ("logit_bias", {"5": 1.0}), ("logit_bias", {-1: 1.0}), ("logit_bias", {5: 101}),
+    ("logit_bias", {5: float("nan")}), ("logit_bias", {5: True}), ("logit_bias", [(5, 1.0)]),
+])  # fmt: skip
+def test_sampling_params_refuse_what_no_sampler_can_use_naming_the_field(field, value):
+    """Not uniform noise (temperature inf), nor a step that fails for every request in it (top_k 2.5, seed 1.5)."""
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})
+
+
+def test_sampling_params_take_numbers_of_any_kind_in_range():
+    import numpy as np
+
+    params = SamplingParams(temperature=2, top_p=np.float32(0.5), top_k=np.int64(3), min_p=0, seed=np.int64(-4),
+                            logit_bias={np.int64(5): -100, 6: 100.0, 7: 0})  # fmt: skip
+    assert params.top_k == 3 and params.logit_bias[5] == -100

@@ -586,19 +586,52 @@ def test_a_request_waiting_when_the_server_stops_gets_503():
     loop.stop()
 
 
-def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(served):
-    """Generated requests (valid and not) against the OpenAPI schema: no 5xx, every response as documented."""
+# Why the server may refuse a request its schema calls valid: this server's token limit, this model's vocabulary
+# and what it cannot do, and the one rule between fields that the schema does not state.
+REFUSED_FOR_THE_SERVER = ("this server allows at most", "does not fit", "vocabulary", "cannot call tools",
+                          "the chat template rejects these messages", "top_logprobs needs logprobs")
+
+
+@pytest.fixture(scope="module")
+def random_served():
+    """A tiny random llama with SmolLM2's tokenizer and chat template: generated prompts of any length run fast."""
+    tokenizer = loaded(str(smollm2_dir()))[1]
+    model = tiny_model("llama", vocab_size=len(tokenizer))
+    loop = EngineLoop(lambda config, weights: Engine(model, tokenizer, num_blocks=256))
+    loop.prepare().result()
+    yield ServedModel(MODEL, loop, defaults={"max_tokens": 2}, max_tokens_limit=4)
+    loop.stop()
+
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(random_served, mode):
+    """Generated requests against the OpenAPI schema: no 5xx and every response as documented; a valid body
+    (for the served model: another is a 404 before the body counts) is answered, an invalid one refused."""
     import schemathesis
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
+                                                   response_schema_conformance, status_code_conformance)
 
-    small = ServedModel(MODEL, served.loop, served.config, defaults={"max_tokens": 2}, max_tokens_limit=4)
-    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(small))
+    schema = schemathesis.openapi.from_asgi("/openapi.json", create_app(random_served))
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    positive = mode == "positive"
     for operation in schema.get_all_operations():
+        operation = operation.ok()
+        if not positive and operation.method.upper() != "POST":
+            continue  # nothing of the GET operations can be invalid but their path's model name
 
-        @settings(max_examples=30, deadline=None, suppress_health_check=list(HealthCheck), database=None)
-        @given(case=operation.ok().as_strategy())
+        @settings(max_examples=15, derandomize=True, deadline=None, database=None, phases=[Phase.generate],
+                  suppress_health_check=list(HealthCheck))  # fmt: skip: no shrinking, which takes minutes here
+        @given(case=operation.as_strategy(getattr(schemathesis.GenerationMode, mode.upper())))
         def run(case):
-            case.call_and_validate()
+            if positive and isinstance(case.body, dict):
+                case.body["model"] = MODEL
+            response = case.call()
+            case.validate_response(response, checks=checks if positive else [*checks, negative_data_rejection])
+            if positive and case.body is not schemathesis.core.NOT_SET and response.status_code != 200:
+                message = response.json()["error"]["message"]
+                assert any(reason in message for reason in REFUSED_FOR_THE_SERVER), message
 
         run()
 
@@ -829,3 +862,94 @@ def wait_for_health(process: subprocess.Popen, port: int, timeout: float = 240) 
         except httpx.TransportError:
             pass
         time.sleep(0.2)
+
+
+# -- what the schema says is what the server takes ------------------------------------------------
+
+
+def tool_call_with(arguments: str) -> dict:
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+    return {"messages": [*chat("hi"), {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "done"}]}
+
+
+@pytest.mark.parametrize("path, change, refused", [
+    # accepted, as OpenAI accepts them: an empty prompt starts a new document; a call a model got wrong
+    ("/v1/completions", {"prompt": ""}, None),
+    ("/v1/completions", {"prompt": [""]}, None),
+    ("/v1/chat/completions", tool_call_with("{not json"), None),
+    ("/v1/chat/completions", tool_call_with("[1, 2]"), None),
+    ("/v1/chat/completions", {"max_tokens": 2.0, "temperature": 1, "seed": 3.0}, None),  # JSON Schema's types
+    ("/v1/chat/completions", {"modalities": ["text"], "logit_bias": {"5": 1}}, None),
+    # values of another JSON type than the schema's
+    ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+    ("/v1/chat/completions", {"stream": "yes"}, "stream"),
+    ("/v1/chat/completions", {"n": True}, "n"),
+    ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+    ("/v1/chat/completions", {"seed": "5"}, "seed"),
+    ("/v1/chat/completions", {"temperature": "1"}, "temperature"),
+    ("/v1/chat/completions", {"presence_penalty": False}, "presence_penalty"),
+    ("/v1/chat/completions", {"stream_options": {"include_usage": 1}}, "stream_options.include_usage"),
+    ("/v1/completions", {"prompt": "hi", "echo": 0}, "echo"),
+    ("/v1/completions", {"prompt": "hi", "logprobs": True}, "logprobs"),
+    # OpenAI's fields that this server cannot honour
+    ("/v1/completions", {"prompt": "hi", "best_of": 2}, "best_of"),
+    ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+    ("/v1/chat/completions", {"functions": [{"name": "f"}]}, "functions"),
+    ("/v1/chat/completions", {"function_call": "auto"}, "function_call"),
+    ("/v1/chat/completions", {"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
+    ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities.1"),
+    ("/v1/chat/completions", {"reasoning_effort": "low"}, "reasoning_effort"),
+    ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),
+    ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+    # logit_bias: token ids (as JSON's keys) to a bias from -100 to 100
+    ("/v1/chat/completions", {"logit_bias": {"x": 1}}, "logit_bias"),
+    ("/v1/chat/completions", {"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ("/v1/completions", {"prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias.5"),
+])  # fmt: skip
+def test_the_served_schema_says_which_bodies_are_taken_and_a_refusal_names_the_field(server, path, change, refused):
+    import jsonschema
+
+    spec = httpx.get(f"{server.url}/openapi.json").json()
+    name = {"/v1/completions": "CompletionRequest", "/v1/chat/completions": "ChatCompletionRequest"}[path]
+    schema = jsonschema.Draft202012Validator({"$ref": f"#/components/schemas/{name}", **spec})
+    body = {"model": MODEL, "max_tokens": 2, **({"messages": chat("hi")} if "chat" in path else {}), **change}
+    response = post(server, path, body)
+    assert schema.is_valid(body) == (refused is None), list(schema.iter_errors(body))
+    if refused is None:
+        assert response.status_code == 200, response.text
+    else:
+        assert assert_error(response, 400, refused)["param"] == refused
+
+
+def test_logit_bias_is_honoured_by_both_endpoints_and_its_ids_are_the_tokenizers(client, server):
+    _, tokenizer = loaded(str(smollm2_dir()))
+    london, paris = (tokenizer.encode(word, add_special_tokens=False)[0] for word in (" London", " Paris"))
+    forced = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=3,
+                                       logit_bias={str(london): 100})  # fmt: skip
+    assert forced.choices[0].text == " London" * 3
+    answer = mlx_lm_answer(smollm2_dir(), FRANCE, 24)
+    assert "Paris" in answer
+    banned = {str(t): -100 for t in (paris, tokenizer.encode("Paris", add_special_tokens=False)[0])}
+    stream = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=24, logit_bias=banned,
+                                            stream=True)  # fmt: skip
+    text = "".join(c.choices[0].delta.content or "" for c in stream)
+    assert text and "Paris" not in text
+    for bias in ({str(len(tokenizer)): 1}, {"9" * 30: -1}):
+        for path, body in [("/v1/completions", {"prompt": [1, 2]}), ("/v1/chat/completions", {"messages": chat("hi")})]:
+            error = assert_error(post(server, path, {"model": MODEL, "logit_bias": bias, **body}), 400,
+                                 "logit_bias", "not in the model's vocabulary [0, 49152)")  # fmt: skip
+            assert error["param"] == "logit_bias"
+    unbiased = client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=24)
+    assert unbiased.choices[0].message.content == answer
+
+
+def test_logit_bias_without_a_tokenizer_to_check_its_ids_is_400():
+    loop = EngineLoop(tiny_engine)
+    loop.prepare().result()
+    app = create_app(ServedModel("tiny", loop))
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "logit_bias": {"5": 1}}
+    status, answer = asyncio.run(asgi_call(app, "/v1/completions", body))
+    assert status == 400 and "logit_bias needs the model's tokenizer" in json.loads(answer)["error"]["message"]
+    assert asyncio.run(asgi_call(app, "/v1/completions", {**body, "logit_bias": None}))[0] == 200
+    loop.stop()

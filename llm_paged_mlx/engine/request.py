@@ -2,6 +2,8 @@
 
 import enum
 import itertools
+import math
+import numbers
 import time
 from dataclasses import dataclass, field
 from typing import Optional
@@ -10,6 +12,7 @@ from .block_manager import SequenceBlocks
 
 _arrivals = itertools.count()
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
+MAX_LOGIT_BIAS = 100  # as OpenAI's logit_bias: from -100 (never) to 100 (only)
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,8 @@ class SamplingParams:
     keeps a leading space that a reply's text drops (OpenAI's completions).
     ``json_schema``: the output is JSON that fits this schema (a dict; ``{"type": "object"}``
     for any object): only tokens that keep it so are sampled (``engine.grammar``).
+    ``logit_bias``: token id -> a bias from -``MAX_LOGIT_BIAS`` to ``MAX_LOGIT_BIAS`` added to
+    that token's logit before sampling (an id past the model's logits has none to bias).
     """
 
     max_tokens: int = 256
@@ -37,26 +42,48 @@ class SamplingParams:
     logprobs: Optional[int] = None
     continues_prompt: bool = False
     json_schema: Optional[dict] = None
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", [self.stop])
         if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not (_finite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_finite(self.top_p) and 0 < self.top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_integer(self.top_k) and self.top_k >= 0):
+            raise ValueError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (_finite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if self.seed is not None and not _integer(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
         if self.stop and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if self.json_schema is not None and not isinstance(self.json_schema, dict):
             raise ValueError(f"json_schema must be a JSON schema as a dict, got {type(self.json_schema).__name__}")
         if self.logprobs is not None and not (isinstance(self.logprobs, int) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.logprobs!r}")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                kind = type(self.logit_bias).__name__
+                raise ValueError(f"logit_bias must be a dict of token ids to biases, got {kind}")
+            for token, bias in self.logit_bias.items():
+                if not (_integer(token) and token >= 0):
+                    raise ValueError(f"logit_bias: {token!r} is not a token id (an integer >= 0)")
+                if not (_finite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                    raise ValueError(f"logit_bias: the bias of token {token} must be from -{MAX_LOGIT_BIAS} to "
+                                     f"{MAX_LOGIT_BIAS}, got {bias!r}")
+
+
+def _integer(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    """Whether ``value`` is a real number other than inf and nan (a bool is none)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 class Status(enum.Enum):

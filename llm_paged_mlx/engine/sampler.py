@@ -1,10 +1,11 @@
 """Per-request sampling with mlx-lm's filters.
 
-Greedy rows share one argmax. A sampled row applies mlx-lm's top-p, min-p and
-top-k filters; a seeded request draws with a key made from its seed and the
-number of tokens it has generated, so its tokens do not depend on what else is
-in the batch. Log-probabilities, for the requests that ask for them, are the
-model's (before temperature and filters), as OpenAI's API reports them.
+A request's logit bias is added to its row first (the rows of requests without
+one are left as they are). Greedy rows share one argmax. A sampled row applies
+mlx-lm's top-p, min-p and top-k filters; a seeded request draws with a key made
+from its seed and the number of tokens it has generated, so its tokens do not
+depend on what else is in the batch. Log-probabilities, for the requests that
+ask for them, are the model's (before bias, temperature and filters).
 """
 
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ class StepLogprobs:
 def sample(logits: mx.array, requests: list[Request], allowed: Optional[mx.array] = None) -> mx.array:
     """One token per row of ``logits`` (lazy), row ``i`` for ``requests[i]``, among the tokens ``allowed``
     (booleans shaped as the logits; None: all) before any other filter."""
+    if any(r.params.logit_bias for r in requests):
+        logits = _biased(logits, requests)
     if allowed is not None:
         logits = mx.where(allowed, logits, -mx.inf)
     greedy = mx.argmax(logits, axis=-1)
@@ -42,6 +45,22 @@ def sample(logits: mx.array, requests: list[Request], allowed: Optional[mx.array
         else:
             tokens.append(_sample_row(logits[i : i + 1], request))
     return mx.concatenate(tokens)
+
+
+def _biased(logits: mx.array, requests: list[Request]) -> mx.array:
+    """``logits`` in float32 (as a sampled row takes them: a greedy row's argmax is the same), with each
+    request's ``logit_bias`` added to its row; an id past the logits has none to bias."""
+    width = logits.shape[-1]
+    rows, ids, biases = [], [], []
+    for row, request in enumerate(requests):
+        for token, bias in (request.params.logit_bias or {}).items():
+            if token < width:
+                rows.append(row)
+                ids.append(token)
+                biases.append(bias)
+    if not rows:
+        return logits
+    return logits.astype(mx.float32).at[mx.array(rows), mx.array(ids)].add(mx.array(biases, dtype=mx.float32))
 
 
 def _sample_row(logits: mx.array, request: Request) -> mx.array:

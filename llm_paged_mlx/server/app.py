@@ -8,6 +8,7 @@ status, never a 500.
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -41,9 +42,11 @@ from .schemas import (
     SamplingFields,
 )
 
-# The errors each API route may answer with, for the OpenAPI schema; streams are server-sent events.
+# The errors each API route may answer with, for the OpenAPI schema; streams are server-sent events, each of
+# whose data is a chunk as JSON (the last: [DONE]).
 _ERRORS = {status: {"model": ErrorBody} for status in (400, 401, 404, 413, 503)}
-_STREAM = {"content": {"text/event-stream": {"schema": {"type": "string"}}}}
+_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+_STREAM = {"content": {"text/event-stream": {"schema": _EVENT}}}
 
 
 class APIError(Exception):
@@ -139,9 +142,6 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         messages = [_chat_message(m, i) for i, m in enumerate(body.messages)]
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-        if body.tool_choice not in (None, "none", "auto"):
-            raise APIError(400, "tool_choice: only 'auto' and 'none' are supported (the model chooses whether to "
-                           "call a tool; it cannot be made to)", param="tool_choice")
         tools = [t.model_dump(exclude_none=True) for t in body.tools or []] if body.tool_choice != "none" else []
         top = body.top_logprobs if body.top_logprobs is not None else 0
         params = sampling(body, body.max_completion_tokens or body.max_tokens, top if body.logprobs else None,
@@ -155,7 +155,7 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         check_model(body.model)
         prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) else body.prompt
         if isinstance(prompt, str):
-            _text(prompt, "prompt")
+            prompt = functools.partial(_document, text=_text(prompt, "prompt"))
         params = sampling(body, body.max_tokens, body.logprobs, continues_prompt=True)
         run = await start(prompt, params, request)
         return await respond(run, body, request, "text_completion", "cmpl")
@@ -165,9 +165,10 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
         if max_tokens is not None and max_tokens > served.max_tokens_limit:
             raise APIError(400, f"max_tokens is {max_tokens}; this server allows at most {served.max_tokens_limit}",
                            param="max_tokens")
+        bias = {int(token): value for token, value in body.logit_bias.items()} if body.logit_bias else None
         given = {"max_tokens": max_tokens, "temperature": body.temperature, "top_p": body.top_p, "seed": body.seed,
                  "stop": body.stops(), "logprobs": logprobs, "continues_prompt": continues_prompt,
-                 "json_schema": json_schema}
+                 "json_schema": json_schema, "logit_bias": bias}
         try:
             return SamplingParams(**{**served.defaults, **{k: v for k, v in given.items() if v is not None}})
         except ValueError as e:
@@ -175,6 +176,8 @@ def create_app(served: ServedModel, api_key: Optional[str] = None, max_body_byte
 
     async def start(prompt, params: SamplingParams, request: Request) -> "_Run":
         """Submit the request and wait for its first chunk, so that an error in the prompt is a 4xx response."""
+        if params.logit_bias:
+            prompt = _bias_checked(prompt, params.logit_bias)
         prompt = await tokenized(prompt)
         try:
             submission = served.loop.submit(prompt, params, served.config)
@@ -239,7 +242,9 @@ def _invalid_body(request: Request, errors: list[dict]) -> APIError:
     if not path:
         return APIError(400, "the body must be a JSON object")
     message = first["msg"]
-    if len(path) + 1 < len(first["loc"]):  # a union: report the branch that got furthest, else the forms
+    if first["loc"][-1] == "[key]":  # a mapping's key is wrong, not its value
+        path, message = path[:-1], f"the key {path[-1]!r}: {message}"
+    elif len(path) + 1 < len(first["loc"]):  # a union: report the branch that got furthest, else the forms
         union = [e for e in errors if e["loc"][1:len(path) + 1] == path]
         deepest = max(union, key=lambda e: len(e["loc"]))
         batch = first["input"]
@@ -254,10 +259,11 @@ def _invalid_body(request: Request, errors: list[dict]) -> APIError:
 
 
 def _field_path(loc: tuple) -> tuple:
-    """The fields and indexes of ``loc`` up to the first union branch pydantic names."""
+    """The fields, indexes and keys of ``loc`` up to the first union branch pydantic names."""
     path = []
-    for part in loc:
-        if isinstance(part, str) and (not part.isidentifier() or part in _BRANCH_NAMES):
+    for index, part in enumerate(loc):
+        is_key = index == 1 and loc[0] in _MAPPINGS  # whatever it spells
+        if not is_key and isinstance(part, str) and (not part.isidentifier() or part in _BRANCH_NAMES):
             break
         path.append(part)
     return tuple(path)
@@ -265,6 +271,8 @@ def _field_path(loc: tuple) -> tuple:
 
 # Union branches pydantic names after a type that is also a valid identifier.
 _BRANCH_NAMES = {"str", "int", "float", "bool", "list", "dict", "TextPart"}
+# The request's fields that map keys to values (a key follows the field in an error's location).
+_MAPPINGS = {"logit_bias"}
 # How the union fields' accepted forms read.
 _UNION_FORMS = {
     "prompt": "a string, a list of token ids, or a list of one string or one list of token ids",
@@ -274,7 +282,7 @@ _UNION_FORMS = {
 
 
 def _chat_message(message, index: int) -> dict:
-    """A request's chat message as chat templates take it (a tool call's arguments as a dict)."""
+    """A request's chat message as chat templates take it."""
     out = {"role": message.role, "content": _text(message.text(), f"messages.{index}.content")}
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
@@ -282,17 +290,45 @@ def _chat_message(message, index: int) -> dict:
         out["name"] = message.name
     if message.tool_calls:
         out["tool_calls"] = []
-        for k, call in enumerate(message.tool_calls):
-            param = f"messages.{index}.tool_calls.{k}.function.arguments"
-            try:
-                arguments = json.loads(call.function.arguments)
-            except ValueError:
-                raise APIError(400, f"{param}: not JSON", param=param) from None
-            if not isinstance(arguments, dict):
-                raise APIError(400, f"{param}: not a JSON object", param=param)
+        for call in message.tool_calls:
             out["tool_calls"].append({"id": call.id, "type": "function",
-                                      "function": {"name": call.function.name, "arguments": arguments}})
+                                      "function": {"name": call.function.name, "arguments": _arguments(call)}})
     return out
+
+
+def _arguments(call) -> object:
+    """A tool call's arguments as chat templates take them: a dict if they are a JSON object, else their text as
+    it is (OpenAI takes back a call whose arguments a model got wrong)."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except (ValueError, RecursionError):  # not JSON, or nested too deep to read
+        return call.function.arguments
+    return arguments if isinstance(arguments, dict) else call.function.arguments
+
+
+def _document(tokenizer, text: str):
+    """A completion's prompt ``text`` as token ids; an empty one starts a new document, as OpenAI's does: the
+    tokenizer's BOS if it adds one, else its EOS token, which ends a document."""
+    if tokenizer is None:
+        return text  # the engine refuses text without a tokenizer
+    return encode_text(tokenizer, text) or [tokenizer.eos_token_id]
+
+
+def _bias_checked(prompt, bias: dict[int, float]):
+    """``prompt`` (token ids, or a function of the tokenizer giving them) as a function of the tokenizer that
+    first checks that ``bias`` names the tokenizer's tokens: it runs with the tokenizer of the engine that
+    takes the request, before the engine has it."""
+
+    def checked(tokenizer):
+        if tokenizer is None:
+            raise APIError(400, "logit_bias needs the model's tokenizer: this server has none", param="logit_bias")
+        outside = sorted(token for token in bias if token >= len(tokenizer))
+        if outside:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is not in the model's vocabulary "
+                           f"[0, {len(tokenizer)})", param="logit_bias")
+        return prompt(tokenizer) if callable(prompt) else prompt
+
+    return checked
 
 
 def _text(text: str, param: str) -> str:

@@ -1,8 +1,11 @@
 """The request bodies the server accepts: OpenAI's chat completions (with tools) and completions, text only.
 
-Fields OpenAI defines that this server cannot honour are declared, so that a
-request asking for them is refused by name instead of silently ignored; other
-unknown fields are ignored, as OpenAI clients send fields of newer API versions.
+Values have JSON's types, as the OpenAPI schema says: true is no integer, "yes"
+no boolean, "5" no number. Fields OpenAI defines that would change the answer and
+that this server cannot honour are declared, so that a request asking for them is
+refused by name instead of silently ignored; other unknown fields are ignored, as
+OpenAI clients send fields of newer API versions (and ones such as ``metadata``,
+``store`` or ``service_tier``, which change nothing in the answer).
 """
 
 from typing import Annotated, Literal, Optional, Union
@@ -10,32 +13,74 @@ from typing import Annotated, Literal, Optional, Union
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
-from ..engine.request import MAX_LOGPROBS
+from ..engine.request import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 
-
-def _not_a_bool(value):
-    if isinstance(value, bool):  # JSON's true is no integer (1.0 is: JSON Schema says so)
+def _integer(value):
+    """JSON Schema's integers: 3.0 is one, true is none (for Python, True is 1)."""
+    if isinstance(value, bool):
         raise PydanticCustomError("int_type", "Input should be a valid integer, not a boolean")
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _boolean(value):
+    if not isinstance(value, bool):  # for Python, 0 is False
+        raise PydanticCustomError("bool_type", "Input should be a valid boolean")
     return value
 
 
-PositiveInt = Annotated[int, Field(ge=1)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0), BeforeValidator(_not_a_bool)]], Field(min_length=1)]
+def _chooses(value):
+    if value not in ("none", "auto"):
+        raise PydanticCustomError("unsupported", "only 'auto' and 'none' are supported (the model chooses whether to "
+                                  "call a tool; it cannot be made to)")
+    return value
+
+
+def _refused(value):
+    if value is not None:  # null is the one value such a field takes
+        raise PydanticCustomError("unsupported", "not supported by this server (leave it out, or null)")
+    return value
+
+
+# Before a strict int, or a literal (compared with Python's ==, for which True is 1 and 0 is False): JSON's
+# types, as the schema gives them.
+AnInteger = BeforeValidator(_integer)
+ABoolean = BeforeValidator(_boolean)
+Unsupported = Annotated[None, BeforeValidator(_refused)]  # an OpenAI field this server cannot honour
+
+
+def integer(**bounds):
+    """A JSON integer within ``bounds`` (Field's ge, le: inside the validator, where the schema shows them)."""
+    return Annotated[int, Field(**bounds), AnInteger]
+
+
+PositiveInt = integer(ge=1)
+TokenIds = Annotated[list[integer(ge=0)], Field(min_length=1)]
 StopStrings = Union[Annotated[str, Field(min_length=1)], Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=4)]]
+# OpenAI's logit_bias: token ids (JSON's keys are strings) to a bias added to the token's logit.
+LogitBias = Annotated[
+    dict[Annotated[str, Field(pattern=r"^[0-9]+$")], Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS)]],
+    Field(json_schema_extra={"additionalProperties": False}),  # patternProperties alone would let other keys by
+]
 
 
-class TextPart(BaseModel):
+class Strict(BaseModel):
+    """A part of a request: its values are of the types the schema gives them (an int is also a number)."""
+
+    model_config = ConfigDict(strict=True)
+
+
+class TextPart(Strict):
     type: Literal["text"]
     text: str
 
 
-class FunctionCall(BaseModel):
+class FunctionCall(Strict):
     name: str
-    arguments: str  # JSON text, as OpenAI's API gives it
+    arguments: str  # JSON text as OpenAI's API gives it, though a model's may not be JSON
 
 
-class ToolCallIn(BaseModel):
+class ToolCallIn(Strict):
     """A tool call of an earlier assistant turn, as the client sends it back."""
 
     model_config = ConfigDict(extra="ignore")
@@ -45,7 +90,7 @@ class ToolCallIn(BaseModel):
     function: FunctionCall
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(Strict):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -60,7 +105,7 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class FunctionSpec(BaseModel):
+class FunctionSpec(Strict):
     model_config = ConfigDict(extra="ignore")
 
     name: Annotated[str, Field(min_length=1)]
@@ -68,31 +113,22 @@ class FunctionSpec(BaseModel):
     parameters: Optional[dict] = None
 
 
-class ToolSpec(BaseModel):
+class ToolSpec(Strict):
     """A tool the model may call: a function, as OpenAI's API describes one."""
 
     type: Literal["function"]
     function: FunctionSpec
 
 
-class NamedFunction(BaseModel):
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class TextFormat(BaseModel):
+class TextFormat(Strict):
     type: Literal["text"]
 
 
-class JsonObjectFormat(BaseModel):
+class JsonObjectFormat(Strict):
     type: Literal["json_object"]
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(Strict):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
 
     name: Annotated[str, Field(min_length=1, max_length=64)]
@@ -101,16 +137,16 @@ class JsonSchemaSpec(BaseModel):
     strict: Optional[bool] = None
 
 
-class JsonSchemaFormat(BaseModel):
+class JsonSchemaFormat(Strict):
     type: Literal["json_schema"]
     json_schema: JsonSchemaSpec
 
 
-class StreamOptions(BaseModel):
+class StreamOptions(Strict):
     include_usage: Optional[bool] = False
 
 
-class SamplingFields(BaseModel):
+class SamplingFields(Strict):
     """What both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -119,14 +155,22 @@ class SamplingFields(BaseModel):
     max_tokens: Optional[PositiveInt] = None
     temperature: Optional[Annotated[float, Field(ge=0, le=2)]] = None
     top_p: Optional[Annotated[float, Field(gt=0, le=1)]] = None
-    seed: Optional[int] = None
+    seed: Optional[integer()] = None
     stop: Optional[StopStrings] = None
     # null is the default for every optional field, as OpenAI's API has it
     stream: Optional[bool] = False
     stream_options: Optional[StreamOptions] = None
-    n: Optional[Literal[1]] = Field(1, description="Only one choice per request is supported")
-    presence_penalty: Optional[Literal[0, 0.0]] = Field(0, description="Penalties are not supported: 0 only")
-    frequency_penalty: Optional[Literal[0, 0.0]] = Field(0, description="Penalties are not supported: 0 only")
+    n: Optional[Annotated[Literal[1], AnInteger]] = Field(1, description="Only one choice per request is supported")
+    presence_penalty: Optional[Annotated[Literal[0, 0.0], AnInteger]] = Field(
+        0, description="Penalties are not supported: 0 only"
+    )
+    frequency_penalty: Optional[Annotated[Literal[0, 0.0], AnInteger]] = Field(
+        0, description="Penalties are not supported: 0 only"
+    )
+    logit_bias: Optional[LogitBias] = Field(
+        None, description=f"Token ids (of the model's tokenizer) to a bias from -{MAX_LOGIT_BIAS} to {MAX_LOGIT_BIAS} "
+        "added to their logits before sampling: -100 bans a token, 100 all but forces it"
+    )
     user: Optional[str] = None
 
     def stops(self) -> Optional[list[str]]:
@@ -137,11 +181,20 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Optional[PositiveInt] = None
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]] = None
+    top_logprobs: Optional[integer(ge=0, le=MAX_LOGPROBS)] = None
     tools: Optional[list[ToolSpec]] = None
-    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    tool_choice: Optional[Annotated[Literal["none", "auto"], BeforeValidator(_chooses)]] = Field(
+        None, description="The model chooses whether to call a tool: 'required' and a named function are not supported"
+    )
     parallel_tool_calls: Optional[bool] = None
     response_format: Optional[Union[TextFormat, JsonObjectFormat, JsonSchemaFormat]] = Field(None, discriminator="type")
+    modalities: Optional[list[Literal["text"]]] = Field(None, description="Text only")
+    audio: Unsupported = Field(None, description="Audio output is not supported")
+    functions: Unsupported = Field(None, description="Deprecated by OpenAI, and not supported: use tools")
+    function_call: Unsupported = Field(None, description="Deprecated by OpenAI, and not supported: use tool_choice")
+    reasoning_effort: Unsupported = Field(None, description="Not supported")
+    verbosity: Unsupported = Field(None, description="Not supported")
+    web_search_options: Unsupported = Field(None, description="Web search is not supported")
 
     def json_schema(self) -> Optional[dict]:
         """The JSON schema the answer must fit, if the response format asks for JSON."""
@@ -159,8 +212,11 @@ class CompletionRequest(SamplingFields):
         Annotated[list[str], Field(min_length=1, max_length=1)],
         Annotated[list[TokenIds], Field(min_length=1, max_length=1)],
     ]
-    logprobs: Optional[Annotated[int, Field(ge=0, le=5)]] = None
-    echo: Optional[Literal[False]] = Field(False, description="Echoing the prompt is not supported")
+    logprobs: Optional[integer(ge=0, le=5)] = None
+    echo: Optional[Annotated[Literal[False], ABoolean]] = Field(False, description="Echoing the prompt is not supported")
+    best_of: Optional[Annotated[Literal[1], AnInteger]] = Field(
+        1, description="Only one candidate per request is supported"
+    )
     suffix: Optional[Literal[""]] = Field(None, description="Suffixes are not supported")
 
 
