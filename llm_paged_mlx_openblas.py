@@ -46,15 +46,18 @@ class _BeforeMLX:
 
 
 def bundled_blas() -> list[str]:
-    """The BLAS libraries that MLX's wheels bundle (auditwheel's ``mlx*.libs/libblas-*``), found without importing MLX."""
+    """The BLAS libraries that MLX's wheels bundle (auditwheel's ``mlx*.libs/libblas-*``), found without importing MLX.
+
+    ``mlx`` is a namespace package: any folder named mlx on sys.path (the current one, say) is a part of
+    it, so every part's folder is looked in.
+    """
     import glob
     from importlib.util import find_spec
 
     spec = find_spec("mlx")
-    if spec is None or not spec.submodule_search_locations:
-        return []
-    site = os.path.dirname(next(iter(spec.submodule_search_locations)))
-    return sorted(glob.glob(os.path.join(glob.escape(site), "mlx*.libs", "libblas-*")))
+    parts = spec.submodule_search_locations if spec is not None and spec.submodule_search_locations else []
+    return sorted(path for part in parts
+                  for path in glob.glob(os.path.join(glob.escape(os.path.dirname(part)), "mlx*.libs", "libblas-*")))
 
 
 def blas_in_use() -> str:

@@ -35,9 +35,10 @@ print(json.dumps({
 """
 
 
-def python(code: str, **env) -> str:
+def python(code: str, cwd=None, **env) -> str:
     environment = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", openblas.ENV)}
-    run = subprocess.run([sys.executable, "-c", code], env={**environment, **env}, capture_output=True, text=True)
+    run = subprocess.run([sys.executable, "-c", code], cwd=cwd, env={**environment, **env}, capture_output=True,
+                         text=True)
     assert run.returncode == 0, run.stderr
     return run.stdout.strip()
 
@@ -47,6 +48,13 @@ BLAS_IN_USE = "import llm_paged_mlx_openblas; print(llm_paged_mlx_openblas.blas_
 
 def test_mlx_calls_openblas():
     assert python(BLAS_IN_USE) == os.path.realpath(openblas.OPENBLAS)
+
+
+def test_a_folder_named_mlx_on_the_path_changes_nothing(tmp_path):
+    """``mlx`` is a namespace package, and such a folder in the current directory (first on sys.path) is a
+    part of it, before the part in site-packages."""
+    (tmp_path / "mlx").mkdir()
+    assert python(BLAS_IN_USE, cwd=tmp_path) == os.path.realpath(openblas.OPENBLAS)
 
 
 def test_turned_off_mlx_calls_the_blas_it_bundles():
