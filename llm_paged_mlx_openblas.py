@@ -19,7 +19,8 @@ import os
 import sys
 
 ENV = "LLM_PAGED_MLX_OPENBLAS"
-OPENBLAS = f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3"
+# Where Debian and Ubuntu install it (os.uname is not on every platform: Windows has none).
+OPENBLAS = f"/usr/lib/{os.uname().machine}-linux-gnu/openblas-pthread/libblas.so.3" if sys.platform == "linux" else ""
 
 
 def install() -> None:
@@ -41,7 +42,12 @@ class _BeforeMLX:
             if bundled_blas():
                 import ctypes
 
-                ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+                try:
+                    ctypes.CDLL(OPENBLAS, mode=ctypes.RTLD_GLOBAL)
+                except OSError as e:  # a file that does not load must not keep MLX from loading
+                    import warnings
+
+                    warnings.warn(f"llm-paged-mlx: MLX keeps its bundled BLAS, as OpenBLAS did not load: {e}")
         return None
 
 
