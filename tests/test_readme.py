@@ -1,8 +1,8 @@
 """The README's examples, run as written, offline, against the default SmolLM2.
 
-Every ```bash and ```python block of README.md runs, in the README's order, in a temporary folder
-with a temporary LLM_USER_PATH and HOME, except a block that needs what a test here cannot have;
-the rule (SKIPS) is what the block names:
+Every ```bash block of README.md runs, in the README's order, and then every ```python block, in a
+temporary folder with a temporary LLM_USER_PATH and HOME, except a block that needs what a test here
+cannot have; the rule (SKIPS) is what the block names:
 
 - ``make ...`` or ``sudo ...`` at the start of a line: the set-up itself (this file runs under ``make test``);
 - ``mlx-community/`` or ``paged-qwen``: a model from the Hugging Face hub (the tests run offline);
