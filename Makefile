@@ -11,6 +11,7 @@ OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
 .PHONY: demo test install openblas clean
 
 demo: install openblas
+	$(VENV)/bin/python -m llm_paged_mlx_openblas
 	$(VENV)/bin/llm -m paged-smollm2 "What is the capital of France?"
 
 test: openblas $(TEST_VENV)/bin/python
