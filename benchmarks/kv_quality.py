@@ -2,6 +2,7 @@
 
 Usage (OpenBLAS preloaded, see README):
     python benchmarks/kv_quality.py [--model PATH] [--tokens 2048] [--chunk 256] [--as-rows] [--budget-mib 64]
+        [--new-tokens 48] [--skip-quality] [--skip-agreement] [--skip-capacity]
 
 Quality: a fixed text (the description of the installed mlx-lm package, its README) is fed
 teacher-forced in chunks, so each position's logits come from K/V the earlier chunks left in
@@ -9,6 +10,12 @@ the cache (quantized or not). For every position the script takes KL(P_full || P
 next-token distributions, where P_full comes from the same system at full precision: this
 engine's paged pools (one sequence, hand-built attention plans, the portable kernel) against
 themselves unquantized, and mlx-lm's ``QuantizedKVCache`` against its ``KVCache``.
+
+Agreement: what a user sees. A few chat prompts are answered greedily (EOS ignored) with quantized
+K/V and at full precision, by this engine and by mlx-lm's ``generate_step`` (``kv_bits``,
+``quantized_kv_start=0``: mlx-lm's own quantized cache from its first prompt chunk on); the table gives,
+per system and bits, the mean index of the first generated token that differs from the same system's
+full-precision answer (the number of tokens when none does).
 
 Capacity: how many tokens of one sequence's K/V fit in a byte budget, for mlx-lm's
 ``QuantizedKVCache`` (its buffers grow in steps of 256 tokens; measured by feeding it) and for
@@ -25,11 +32,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import KVCache, QuantizedKVCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from llm_paged_mlx import Engine  # noqa: E402
+from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel  # noqa: E402
 from llm_paged_mlx.models.loading import load_model  # noqa: E402
 from llm_paged_mlx.models.paged_cache import LayerLayout, PagedLayerCache, check_model  # noqa: E402
@@ -150,6 +158,93 @@ def measure_quality(model, tokens: list[int], chunk: int, bits=BITS, as_rows=Fal
     return result
 
 
+# -- greedy agreement with full precision -------------------------------------------------------------
+
+CHAT_QUESTIONS = (
+    "What is the capital of France?", "Explain photosynthesis in one paragraph.", "Write a haiku about the sea.",
+    "Give me three tips for learning to play the guitar.", "Name three planets and one fact about each.",
+    "How do I boil an egg?", "What is a prime number? Give examples.", "Write a short poem about autumn leaves.",
+    "Why is the sky blue?", "Translate 'good morning' into Spanish and French.",
+    "What are the benefits of regular exercise?", "Describe how a bicycle works.", "What is the capital of Japan?",
+    "Tell me a joke about computers.", "How many legs does a spider have?", "What does a doctor do?",
+    "Explain gravity to a child.", "Write two sentences about the moon.", "What is the largest ocean on Earth?",
+    "Suggest a name for a cat.", "How do plants drink water?", "What is 12 times 7?", "Why do we need sleep?",
+    "Describe the color red without naming it.",
+)
+BATCH = 4  # prompts the engine answers together
+
+
+def chat_prompts(tokenizer, questions=CHAT_QUESTIONS) -> list[list[int]]:
+    """Each question as one user turn through the model's chat template, ready for an answer."""
+    turns = ([{"role": "user", "content": q}] for q in questions)
+    return [tokenizer.apply_chat_template(turn, add_generation_prompt=True) for turn in turns]
+
+
+def first_difference(tokens: list[int], reference: list[int]) -> int:
+    """The index of the first token that differs from ``reference``; the length if none does."""
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), min(len(tokens), len(reference)))
+
+
+def mlx_lm_answers(model, prompts, new_tokens: int, kv_bits=None) -> list[list[int]]:
+    """mlx-lm's greedy answers through ``generate_step``, quantizing its cache from the start with ``kv_bits``."""
+    quant = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": GROUP_SIZE, "quantized_kv_start": 0}
+    greedy = lambda logprobs: mx.argmax(logprobs, axis=-1)  # noqa: E731
+    answers = []
+    for prompt in prompts:
+        steps = generate_step(mx.array(prompt), model, max_tokens=new_tokens, sampler=greedy, **quant)
+        answers.append([int(token) for token, _ in steps])
+    return answers
+
+
+def engine_answers(model, tokenizer, prompts, new_tokens: int, kv_bits=None, **options) -> list[list[int]]:
+    """This engine's greedy answers, ``BATCH`` prompts at a time, K/V stored in ``kv_bits``."""
+    quant = {} if kv_bits is None else {"kv_bits": kv_bits, "kv_group_size": GROUP_SIZE}
+    engine = Engine(model, tokenizer, kv_budget_bytes=256 << 20, verify_model=False, **quant, **options)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    batches = [prompts[i : i + BATCH] for i in range(0, len(prompts), BATCH)]
+    return [out.token_ids for batch in batches for out in engine.generate(batch, params)]
+
+
+def measure_agreement(model, tokenizer, new_tokens: int = 48, bits=BITS, prompts=None, **options) -> dict:
+    """Per system (``"engine"``, ``"mlx-lm"``) and bits: each prompt's first-difference index from that
+    system's full-precision answer; ``("engine", None)``: the engine's full-precision answers' first
+    differences from mlx-lm's (the length when they are equal)."""
+    prompts = chat_prompts(tokenizer) if prompts is None else prompts
+    full = {
+        "mlx-lm": mlx_lm_answers(model, prompts, new_tokens),
+        "engine": engine_answers(model, tokenizer, prompts, new_tokens, **options),
+    }
+    result = {("engine", None): [first_difference(a, b) for a, b in zip(full["engine"], full["mlx-lm"])]}
+    for b in bits:
+        quantized = {
+            "mlx-lm": mlx_lm_answers(model, prompts, new_tokens, b),
+            "engine": engine_answers(model, tokenizer, prompts, new_tokens, b, **options),
+        }
+        for name, answers in quantized.items():
+            result[name, b] = [first_difference(a, r) for a, r in zip(answers, full[name])]
+    return result
+
+
+def agreement_table(model, tokenizer, new_tokens: int):
+    print(f"\n## Greedy agreement with full precision ({len(CHAT_QUESTIONS)} chat prompts, {new_tokens} tokens, "
+          f"group size {GROUP_SIZE})\n")
+    start = time.perf_counter()
+    result = measure_agreement(model, tokenizer, new_tokens)
+    print(f"({time.perf_counter() - start:.1f} s)\n")
+    same = result["engine", None]
+    print(f"Full precision, engine vs mlx-lm: first difference at {same} (of {new_tokens}: none)\n")
+    print(f"| K/V | first differing token, per prompt | mean | mean of the first 4 | none differs | engine / mlx-lm |")
+    print("|---|---|---:|---:|---:|---:|")
+    for b in BITS:
+        for name in ("engine", "mlx-lm"):
+            firsts = result[name, b]
+            ratio = f"{np.mean(firsts) / max(np.mean(result['mlx-lm', b]), 1e-9):.2f}x" if name == "engine" else ""
+            label = "this engine" if name == "engine" else "mlx-lm QuantizedKVCache"
+            whole = sum(f == new_tokens for f in firsts)
+            print(f"| {label}, {b}-bit | {', '.join(map(str, firsts))} | {np.mean(firsts):.1f} | "
+                  f"{np.mean(firsts[:4]):.1f} | {whole} of {len(firsts)} | {ratio} |")
+
+
 # -- capacity in a byte budget -----------------------------------------------------------------
 
 
@@ -267,7 +362,9 @@ def main():
     parser.add_argument("--chunk", type=int, default=256, help="tokens fed per forward pass")
     parser.add_argument("--budget-mib", type=float, default=64, help="K/V budget of the capacity table")
     parser.add_argument("--as-rows", action="store_true", help="send the engine's chunks as single-query rows")
+    parser.add_argument("--new-tokens", type=int, default=48, help="tokens of each answer in the agreement table")
     parser.add_argument("--skip-quality", action="store_true")
+    parser.add_argument("--skip-agreement", action="store_true")
     parser.add_argument("--skip-capacity", action="store_true")
     args = parser.parse_args()
     if args.model is None:
@@ -278,6 +375,8 @@ def main():
     print_header(args.model)
     if not args.skip_quality:
         quality_table(model, tokenizer, args.tokens, args.chunk, args.as_rows)
+    if not args.skip_agreement:
+        agreement_table(model, tokenizer, args.new_tokens)
     if not args.skip_capacity:
         capacity_table(model, int(args.budget_mib * 2**20))
 

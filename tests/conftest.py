@@ -2,6 +2,8 @@
 
 import signal
 
+import pytest
+
 
 def pytest_configure(config):
     # A shell without job control starts `cmd &` with SIGINT ignored, and an ignored SIGINT stays
@@ -9,3 +11,15 @@ def pytest_configure(config):
     # sent to `llm`) would then see nothing happen. A handler, unlike SIG_IGN, is reset by exec.
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@pytest.fixture
+def kv_bits_schedule_free(monkeypatch):
+    """Quantized K/V as ``mx.quantize`` gives them, every key read from the pool (``PagedLayerCache``'s two
+    faithfulness settings off), so that an engine's tokens do not depend on where its steps cut a prompt or
+    on how many rows they hold: for tests that compare schedules (a tight pool against a roomy one) with
+    ``kv_bits``."""
+    from llm_paged_mlx.models.paged_cache import PagedLayerCache
+
+    monkeypatch.setattr(PagedLayerCache, "prompts_attend_unquantized", False)
+    monkeypatch.setattr(PagedLayerCache, "rotates_quantized_rows", False)

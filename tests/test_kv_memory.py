@@ -5,8 +5,8 @@ import pytest
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import memory
-from llm_paged_mlx.kernels import portable
-from llm_paged_mlx.kernels.quantized import QuantizedPool
+from llm_paged_mlx.kernels import PrefillChunk, portable
+from llm_paged_mlx.kernels.quantized import QuantizedPool, rotate_groups
 from llm_paged_mlx.models.paged_cache import PagedLayerCache
 from models import tiny_model
 from test_engine import random_prompts, reference
@@ -50,18 +50,83 @@ def test_portable_kernel_reads_quantized_blocks_as_their_values(bits, block_size
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_a_quantized_cache_writes_what_mx_quantize_gives():
+def test_a_quantized_cache_writes_rows_rotated_with_less_error_than_as_they_are():
     from llm_paged_mlx.kernels.plan import AttentionPlan
 
     cache = PagedLayerCache(4, 16, 2, 64, 64, mx.float32, portable.PortableKernel(), kv_bits=4, kv_group_size=32)
-    keys, values = mx.random.normal((3, 2, 1, 64)), mx.random.normal((3, 2, 1, 64))
+    keys, values = (mx.random.normal((3, 2, 1, 64), key=mx.random.key(seed)) for seed in (1, 2))
+    keys[:, :, :, 5] = 20.0  # an outlier channel, as keys have
     slots = mx.array([16, 17, 40], mx.int32)
     cache.plan = AttentionPlan(16, slots, slots, 3, mx.zeros((3, 1), mx.int32), mx.ones(3, mx.int32))
     cache.update_and_fetch(keys, values)
     rows = cache.plan.write_indices(2)
-    for part, written in zip(mx.quantize(keys.reshape(3, 2, 64), group_size=32, bits=4), cache.arrays[:3]):
+    rows_of_keys = keys.reshape(3, 2, 64)
+    for part, written in zip(mx.quantize(rotate_groups(rows_of_keys, 32), group_size=32, bits=4), cache.arrays[:3]):
         assert mx.array_equal(written[rows], part).item()
+    stored = mx.dequantize(*(a[rows] for a in cache.arrays[:3]), group_size=32, bits=4)
+    error = mx.mean((rotate_groups(stored, 32) - rows_of_keys) ** 2).item()
+    plain = mx.dequantize(*mx.quantize(rows_of_keys, group_size=32, bits=4), group_size=32, bits=4)
+    assert error < 0.5 * mx.mean((plain - rows_of_keys) ** 2).item()  # rotated, an outlier no longer sets the step
     assert cache.nbytes < 4 * 2 * 16 * 64 * 4 * 2 / 4  # packed: less than a quarter of float32
+
+
+def mixed_pools(pool, quantized, own, table, start):
+    """The values a chunk over ``quantized`` should attend: the dequantized pool, with its own rows ``own``
+    ``(n, H, D)`` (positions ``start`` on, through ``table``) as they were before quantization."""
+    values = quantized.dequantize()
+    block_size = pool.shape[2]
+    for i in range(own.shape[0]):
+        block, offset = int(table[(start + i) // block_size]), (start + i) % block_size
+        values[block, :, offset] = own[i]
+    return values
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("route", ["grouped", "head-grouped", "tiled", "tiled-windowed"])
+def test_a_prefill_chunk_attends_to_its_own_k_v_before_quantization(bits, route):
+    """Over quantized pools carrying the step's rows, a chunk reads earlier tokens quantized and its own as
+    written, in each way the portable kernel computes a chunk."""
+    kv_heads, dim, group, block_size = 2, 64, 64, 16
+    k_pool, v_pool, tables, lens = pools_and_tables(block_size, kv_heads, dim)
+    context, n = int(lens[2]), 20  # the chunk: the last 20 of 78 tokens
+    table = tables[2]
+    own_k, own_v = (mx.random.normal((n, kv_heads, dim), key=mx.random.key(s)) for s in (7, 8))
+    kq, vq = (
+        QuantizedPool(*mx.quantize(p, group_size=group, bits=bits), bits, group, step_rows=rows)
+        for p, rows in ((k_pool, own_k), (v_pool, own_v))
+    )
+    own = portable.chunk_own_rows(kq, vq, PrefillChunk(0, n, context, table))
+    want_k, want_v = (mixed_pools(*pools, table, context - n) for pools in ((k_pool, kq, own_k), (v_pool, vq, own_v)))
+    queries = mx.random.normal((n, kv_heads * 4, 1, dim), key=mx.random.key(9))
+    chunk, want_chunk = (queries, kq, vq, table, context, 0.125), (queries, want_k, want_v, table, context, 0.125)
+    attend = {
+        "grouped": lambda c, **kw: portable.grouped_prefill_attention(*c, kv_heads, **kw),
+        "head-grouped": lambda c, **kw: portable.grouped_prefill_attention(*c, 1, **kw),
+        "tiled": lambda c, **kw: portable.tiled_prefill_attention(*c, 32, **kw),
+        "tiled-windowed": lambda c, **kw: portable.tiled_prefill_attention(*c, 32, window=30, **kw),
+    }[route]
+    got, want = attend(chunk, own=own), attend(want_chunk)
+    assert mx.allclose(got, want, atol=1e-5).item()
+    assert not mx.allclose(attend(chunk), want, atol=1e-3).item()  # reading its own rows quantized differs
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("tiles", [False, True])
+def test_a_prompt_s_first_token_does_not_depend_on_quantized_k_v(bits, tiles, monkeypatch):
+    """A prompt prefilled in one chunk reads no quantized K/V: its first token's log-probabilities are those of
+    full precision (as in mlx-lm, whose cache quantizes a prompt only after its first chunk)."""
+    if tiles:
+        monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 1 << 16)
+    model = tiny_model("llama")
+    prompt = random_prompts([300 if tiles else 40], seed=4)[0]
+
+    def first(**options):
+        engine = Engine(model, num_blocks=64, attention_kernel="portable", **options)
+        return engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0].logprobs[0].top
+
+    want, got = first(), first(kv_bits=bits, kv_group_size=32)
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
 
 
 @pytest.mark.parametrize("bits", [None, 8, 4])
@@ -75,7 +140,7 @@ def test_bytes_per_token_follow_the_bits(bits):
     assert per_token == expected
 
 
-def test_quantized_k_v_generate_with_preemption_and_prefix_caching():
+def test_quantized_k_v_generate_with_preemption_and_prefix_caching(kv_bits_schedule_free):
     """8-bit K/V through the whole engine: a tight pool (preemption, swapping), then a repeated prompt
     (prefix cache hit) gives the tokens it gave with room to spare."""
     model = tiny_model("qwen3")
@@ -110,7 +175,8 @@ def test_a_prefill_chunk_over_a_long_context_goes_in_tiles_and_gives_mlx_lm_s_to
     monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 1 << 16)
     tiled = []
     real = portable.tiled_prefill_attention
-    monkeypatch.setattr(portable, "tiled_prefill_attention", lambda *a: tiled.append(a[6]) or real(*a))  # the tile
+    recording = lambda *a, **kw: tiled.append(a[6]) or real(*a, **kw)  # noqa: E731 (a[6]: the tile)
+    monkeypatch.setattr(portable, "tiled_prefill_attention", recording)
     model = tiny_model("llama")
     prompt = random_prompts([300], seed=4)[0]
     engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")  # fused ones serve short chunks as rows
@@ -145,7 +211,8 @@ def test_where_attention_runs_fused_the_context_is_gathered_a_few_heads_at_a_tim
     monkeypatch.setattr(portable, "fused_prefill", lambda n, k_pool, v_pool: n > 8)
     groups = []
     real = portable.grouped_prefill_attention
-    monkeypatch.setattr(portable, "grouped_prefill_attention", lambda *a: groups.append(a[6]) or real(*a))  # heads
+    recording = lambda *a, **kw: groups.append(a[6]) or real(*a, **kw)  # noqa: E731 (a[6]: the heads)
+    monkeypatch.setattr(portable, "grouped_prefill_attention", recording)
     engine = Engine(model, max_num_batched_tokens=64, attention_kernel="portable")
     out = engine.generate([prompt], SamplingParams(max_tokens=8))[0]
     assert 1 in groups and 2 in groups  # short contexts: both heads at once; long ones: one at a time
@@ -249,7 +316,7 @@ def test_a_workload_larger_than_the_budget_stays_under_the_cap(memory_limit):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits):
+def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, kv_bits_schedule_free):
     """Blocks saved at ``kv_bits`` are read back by a new engine (another process, in effect) bit for bit."""
     from llm_paged_mlx.engine.disk.store import KVDiskCache
 

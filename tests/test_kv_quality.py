@@ -1,8 +1,10 @@
 """Quantized K/V on the real SmolLM2: the engine loses no more than mlx-lm's QuantizedKVCache.
 
-The measurement is ``benchmarks/kv_quality.py``'s, on a shorter text: 384 tokens fed in chunks of
-128, each position's next-token distribution compared (KL) with the same system at full precision.
-mlx-lm's quantized attention is slow on the CPU (about half of this module's time), hence the length.
+The measurements are ``benchmarks/kv_quality.py``'s: what a user sees, greedy answers to chat prompts
+against full precision's (the index of the first token that differs); and, on a shorter text than the
+benchmark's (384 tokens fed in chunks of 128), each position's next-token distribution compared (KL)
+with the same system at full precision. mlx-lm's quantized attention is slow on the CPU (about half
+of this module's time), hence the lengths.
 """
 
 import sys
@@ -15,19 +17,43 @@ from llm_paged_mlx.models.loading import ModelFetchError, load_model
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from kv_quality import BITS, measure_quality, text_tokens  # noqa: E402
+from kv_quality import BITS, CHAT_QUESTIONS, chat_prompts, measure_agreement, measure_quality, text_tokens  # noqa: E402
+
+NEW_TOKENS, PROMPTS = 48, 8  # the benchmark's first 8 prompts: its table has all of them
 
 
 
 @pytest.fixture(scope="module")
-def quality():
+def smollm2():
     try:
         path = smollm2_dir()
     except ModelFetchError as e:
         pytest.skip(f"SmolLM2 is not cached and cannot be fetched: {e}")
-    model, tokenizer = load_model(str(path), dequantize=True, dtype="float32")
+    return load_model(str(path), dequantize=True, dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def quality(smollm2):
+    model, tokenizer = smollm2
     tokens, _ = text_tokens(tokenizer, 384)
     return measure_quality(model, tokens, chunk=128, bits=BITS)
+
+
+@pytest.fixture(scope="module")
+def agreement(smollm2):
+    model, tokenizer = smollm2
+    return measure_agreement(model, tokenizer, NEW_TOKENS, prompts=chat_prompts(tokenizer, CHAT_QUESTIONS[:PROMPTS]))
+
+
+def test_full_precision_answers_are_mlx_lm_s(agreement):
+    assert agreement["engine", None] == [NEW_TOKENS] * len(agreement["engine", None])
+
+
+@pytest.mark.parametrize("bits", BITS)
+def test_quantized_answers_stay_with_full_precision_as_long_as_mlx_lm_s(bits, agreement):
+    """The mean index of the first token that differs from full precision's answer, over the prompts."""
+    ours, theirs = agreement["engine", bits], agreement["mlx-lm", bits]
+    assert sum(ours) >= sum(theirs), f"{bits}-bit: engine {ours}, mlx-lm {theirs}"
 
 
 def mean_kl(quality, system, bits):

@@ -101,7 +101,7 @@ def test_latent_blocks_round_trip_through_the_disk_tier(tmp_path):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits, monkeypatch):
+def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits, monkeypatch, kv_bits_schedule_free):
     """Latent + RoPE rows of 64 values, quantized in groups of 32: a tight pool gives what a roomy one gives,
     and a 300-token prompt what it gives with every prompt token absorbed."""
     model = tiny_mla("deepseek_v3", kv_lora_rank=48)
@@ -120,6 +120,28 @@ def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits,
     with pytest.raises(ValueError, match=r"kv_group_size 64 does not divide the width of the model's MLA rows "
                        r"\(latent \+ RoPE\) 48: no kv_group_size \(32, 64, 128\) does, so this model cannot use kv_bits"):
         Engine(tiny_mla("deepseek_v3"), kv_bits=8, kv_group_size=64)  # rows of 32 + 16
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("rows", ["rotated", "straddling"])
+@pytest.mark.parametrize("length", [40, 300])
+def test_a_prompt_s_first_token_reads_no_quantized_latent(bits, rows, length):
+    """Absorbed (40 tokens) and decompressed (300) prompt chunks attend to their own latent rows before
+    quantization: the first token's log-probabilities are full precision's. Rows whose latent is whole groups
+    are stored rotated, others (48 + 16) as they are."""
+    dims = dict(kv_lora_rank=32, qk_rope_head_dim=32) if rows == "rotated" else dict(kv_lora_rank=48)
+    model = tiny_mla("deepseek_v3", **dims)
+    prompt = random_prompts([length], seed=4)[0]
+
+    def first(**options):
+        engine = Engine(model, num_blocks=64, **options)
+        return engine, engine.generate([prompt], SamplingParams(max_tokens=1, logprobs=5))[0].logprobs[0].top
+
+    _, want = first()
+    engine, got = first(kv_bits=bits, kv_group_size=32)
+    assert engine.runner.caches[0].rotated == (rows == "rotated")
+    assert [t for t, _ in got] == [t for t, _ in want]
+    assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
 
 
 def test_prompt_chunks_decompress_when_that_takes_less_arithmetic_within_the_budget():

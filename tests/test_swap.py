@@ -158,7 +158,9 @@ CASES = list(engine_cases())
 
 
 @pytest.mark.parametrize("name,dtype_name,kv_bits,drive", CASES, ids=["-".join(map(str, case)) for case in CASES])
-def test_swapped_requests_get_the_tokens_of_an_unlimited_pool(name, dtype_name, kv_bits, drive, tmp_path):
+def test_swapped_requests_get_the_tokens_of_an_unlimited_pool(
+    name, dtype_name, kv_bits, drive, tmp_path, kv_bits_schedule_free
+):
     policy, settle = POLICIES[name](tmp_path)
     engine = swapping_engine(dtype_name, policy, kv_bits, settle)
     got = run(engine, drive)

@@ -30,7 +30,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
-from ..models.paged_cache import LayerLayout, model_caches
+from ..models.paged_cache import LayerLayout, PagedLayerCache, model_caches
 from ..models.state_cache import StateLayout, honours_lengths
 from .kv_groups import KVGroups, kv_groups
 from .scheduler import ScheduledChunk
@@ -257,10 +257,12 @@ class ModelRunner:
         return (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
 
     def _as_rows(self, chunk: ScheduledChunk) -> bool:
-        """Whether the chunk's tokens can be served as single-query rows."""
+        """Whether the chunk's tokens can be served as single-query rows (not if it attends to its own K/V
+        before quantization: rows read every key from the pool)."""
         if chunk.num_tokens == 1:
             return True
-        if self._as_sequence(chunk):
+        attends_own_rows = self.kv_bits is not None and PagedLayerCache.prompts_attend_unquantized
+        if self._as_sequence(chunk) or attends_own_rows:
             return False
         end = chunk.request.num_computed + chunk.num_tokens
         return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)

@@ -33,7 +33,7 @@ from . import self_check
 from .dialect import CUDA, METAL, Dialect, KernelSource, build, read_template, render
 from .latent import LatentKernels
 from .plan import AttentionPlan, PrefillChunk, window_tables
-from .portable import PortableKernel, decode_attention, prefill_attention
+from .portable import PortableKernel, chunk_own_rows, decode_attention, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
 
 SIMD = 32
@@ -135,10 +135,11 @@ class FusedKernel:
             return self.decode(q, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts)
 
         def chunk(c: PrefillChunk):
-            q = queries[c.row_start : c.row_start + c.num_tokens]
-            return prefill_attention(q, k_pool, v_pool, c.block_table, c.context_len, scale, window, sinks, softcap)
+            q, own = queries[c.row_start : c.row_start + c.num_tokens], chunk_own_rows(k_pool, v_pool, c)
+            table, length = c.block_table, c.context_len
+            return prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap, own)
 
-        return self._route(plan, rows, chunk)
+        return self._route(plan, rows, chunk, k_pool)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
         """MLA rows (see ``kernels``): single-query rows through ``latent.LatentKernels``, other prefill
@@ -151,17 +152,20 @@ class FusedKernel:
             return self.latent.decode(queries[: lens.shape[0]], pool, value_dim, tables, lens, self._params(scale))
 
         def chunk(c: PrefillChunk):
-            q = queries[c.row_start : c.row_start + c.num_tokens]
-            return prefill_attention(q, pool, pool, c.block_table, c.context_len, scale)[..., :value_dim]
+            q, own = queries[c.row_start : c.row_start + c.num_tokens], chunk_own_rows(pool, pool, c)
+            return prefill_attention(q, pool, pool, c.block_table, c.context_len, scale, own=own)[..., :value_dim]
 
-        return self._route(plan, rows, chunk)
+        return self._route(plan, rows, chunk, pool)
 
-    def _route(self, plan: AttentionPlan, rows, chunk) -> mx.array:
+    def _route(self, plan: AttentionPlan, rows, chunk, pool) -> mx.array:
         """A step's outputs in row order: ``rows(every_row)`` for the decode rows (or, when every prefill
-        chunk is served best as rows, for every row), ``chunk(c)`` for each other prefill chunk."""
+        chunk is served best as rows, for every row), ``chunk(c)`` for each other prefill chunk. Chunks that
+        attend to their own K/V at full precision (a quantized ``pool`` with the step's rows) are never rows:
+        rows read every key from the pool."""
         if not plan.prefills:
             return rows(every_row=False)
-        if all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
+        own_rows = isinstance(pool, QuantizedPool) and pool.step_rows is not None
+        if not own_rows and all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
             return rows(every_row=True)
         parts = [rows(every_row=False)] if plan.num_decode else []
         parts += [chunk(c) for c in plan.prefills]

@@ -8,13 +8,14 @@ time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, where it computes the
 scores in full, a context longer than one tile goes tile by tile with an
 online softmax. So a chunk's attention memory stays bounded at any context
 length. Quantized pools (``kernels.quantized``) are read as values: decode rows
-dequantize the blocks they use, prefill chunks what they gather.
+dequantize the blocks they use, prefill chunks what they gather, with their own
+tokens' K/V taken at full precision from the step's rows.
 """
 
 import mlx.core as mx
 
 from .plan import AttentionPlan
-from .quantized import QuantizedPool, block_values
+from .quantized import QuantizedPool, block_values, own_rows
 
 # About the most a prefill chunk's attention holds at once: the context gathered for a group of KV
 # heads (fused attention), or its scores over a tile of the context (float32, a few live copies) and
@@ -50,8 +51,8 @@ class PortableKernel:
             parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start, softcap))
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
-            table, length = chunk.block_table, chunk.context_len
-            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap))
+            table, length, own = chunk.block_table, chunk.context_len, chunk_own_rows(k_pool, v_pool, chunk)
+            parts.append(prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap, own))
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
@@ -63,6 +64,27 @@ class PortableKernel:
         return self(queries, pool, pool, plan, scale)[..., :value_dim]
 
 
+def chunk_own_rows(k_pool, v_pool, chunk) -> "tuple[mx.array, mx.array] | None":
+    """A prefill chunk's own K and V rows ``(n, Hkv, D)`` at full precision from quantized pools that carry
+    the step's rows (``quantized.own_rows``), or None."""
+    k = own_rows(k_pool, chunk.row_start, chunk.num_tokens)
+    if k is None:
+        return None
+    return k, k if v_pool is k_pool else own_rows(v_pool, chunk.row_start, chunk.num_tokens)
+
+
+def overlay(context: mx.array, start: int, own: mx.array, own_start: int) -> mx.array:
+    """``context`` ``(..., L, D)``, the values at positions ``[start, start + L)``, with those of positions
+    ``[own_start, own_start + n)`` taken from ``own`` ``(..., n, D)`` instead."""
+    length, n = context.shape[-2], own.shape[-2]
+    first, end = max(start, own_start), min(start + length, own_start + n)
+    if first >= end:
+        return context
+    before, after = context[..., : first - start, :], context[..., end - start :, :]
+    parts = (before, own[..., first - own_start : end - own_start, :], after)
+    return mx.concatenate([p for p in parts if p.shape[-2]], axis=-2)
+
+
 def gather_context(pool, block_table: mx.array, length: int, heads: slice = slice(None)) -> mx.array:
     """The first ``length`` tokens a block table points at, as values ``(1, H, length, D)`` (of ``heads``)."""
 
@@ -72,6 +94,13 @@ def gather_context(pool, block_table: mx.array, length: int, heads: slice = slic
     pool = pool.map(view) if isinstance(pool, QuantizedPool) else view(pool)
     blocks = block_values(pool, block_table, axis=1)  # (H, n, bs, D)
     return blocks.reshape(blocks.shape[0], -1, blocks.shape[-1])[None, :, :length]
+
+
+def chunk_context(pool, block_table, start: int, length: int, own, own_start: int, heads: slice = slice(None)):
+    """``gather_context`` of the ``length`` tokens from position ``start`` on, with a chunk's ``own`` rows
+    ``(n, H, D)`` (from position ``own_start`` on; None: none) in place of the pool's copies of them."""
+    context = gather_context(pool, block_table, length, heads)
+    return context if own is None else overlay(context, start, own[:, heads].swapaxes(0, 1)[None], own_start)
 
 
 def fused_prefill(num_queries: int, k_pool, v_pool) -> bool:
@@ -109,11 +138,12 @@ def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
 
 
 def prefill_attention(
-    queries, k_pool, v_pool, block_table, context_len, scale, window=None, sinks=None, softcap=None
+    queries, k_pool, v_pool, block_table, context_len, scale, window=None, sinks=None, softcap=None, own=None
 ):
     """Causal attention of ``n`` consecutive queries ``(n, Hq, 1, D)`` over their sequence: over its last
     ``window`` tokens only, if given, with ``sinks`` (one logit per query head) in the softmax, and with
-    ``softcap``, scores taken as ``softcap * tanh(scores / softcap)``.
+    ``softcap``, scores taken as ``softcap * tanh(scores / softcap)``. ``own``: the queries' own K and V
+    ``(n, Hkv, D)`` (``chunk_own_rows``), attended instead of the pools' copies of them.
 
     Where MLX's fused attention applies (not with ``softcap``), the context is
     gathered for as many KV heads at a time as fit ``PREFILL_ATTENTION_BYTES``;
@@ -122,19 +152,20 @@ def prefill_attention(
     n, q_heads = queries.shape[:2]
     kv_heads = k_pool.shape[1]
     chunk = (queries, k_pool, v_pool, block_table, context_len, scale)
+    masking = {"window": window, "sinks": sinks, "own": own}
     block_size = k_pool.shape[2]
     reach = context_len - window_start(context_len - n, window, block_size) * block_size  # keys gathered
     tile = prefill_tile(n, q_heads, k_pool, v_pool)
     if softcap is not None:  # MLX's attention does not cap scores: tiles (one, if it fits), a power of 2 blocks
         reach_tile = (1 << (-(-reach // block_size) - 1).bit_length()) * block_size
-        return tiled_prefill_attention(*chunk, min(tile, reach_tile), window, sinks, softcap)
+        return tiled_prefill_attention(*chunk, min(tile, reach_tile), softcap=softcap, **masking)
     if fused_prefill(n, k_pool, v_pool):
         heads = min(kv_heads, PREFILL_ATTENTION_BYTES // (reach * context_bytes(k_pool, v_pool)))
         if heads:
-            return grouped_prefill_attention(*chunk, heads, window, sinks)
+            return grouped_prefill_attention(*chunk, heads, **masking)
     if reach > tile:
-        return tiled_prefill_attention(*chunk, tile, window, sinks)
-    return grouped_prefill_attention(*chunk, kv_heads, window, sinks)
+        return tiled_prefill_attention(*chunk, tile, **masking)
+    return grouped_prefill_attention(*chunk, kv_heads, **masking)
 
 
 def visible_keys(query_positions: mx.array, key_positions: mx.array, window=None) -> mx.array:
@@ -152,7 +183,7 @@ def window_start(first_query: int, window, block_size: int) -> int:
 
 
 def grouped_prefill_attention(
-    queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None
+    queries, k_pool, v_pool, block_table, context_len, scale, heads: int, window=None, sinks=None, own=None
 ):
     """``prefill_attention`` with the context its queries see gathered, ``heads`` KV heads at a time.
 
@@ -163,6 +194,7 @@ def grouped_prefill_attention(
     kv_heads = k_pool.shape[1]
     block_size = k_pool.shape[2]
     rep = q_heads // kv_heads
+    own_k, own_v = own or (None, None)
     # Only the blocks the queries' windows reach are gathered: keys from position `start` on.
     start = window_start(context_len - n, window, block_size) * block_size
     block_table, length = block_table[start // block_size :], context_len - start
@@ -174,8 +206,11 @@ def grouped_prefill_attention(
     parts = []
     for first in range(0, kv_heads, heads):
         group = slice(first, min(first + heads, kv_heads))
-        k = gather_context(k_pool, block_table, length, group)
-        v = k if v_pool is k_pool else gather_context(v_pool, block_table, length, group)  # MLA: one pool
+        k = chunk_context(k_pool, block_table, start, length, own_k, context_len - n, group)
+        if v_pool is k_pool:  # MLA: one pool
+            v = k
+        else:
+            v = chunk_context(v_pool, block_table, start, length, own_v, context_len - n, group)
         q_group = slice(group.start * rep, group.stop * rep)
         q = queries[:, q_group].swapaxes(0, 2)  # (1, Hq of the group, n, D)
         group_sinks = None if sinks is None else sinks[q_group]
@@ -187,8 +222,9 @@ def grouped_prefill_attention(
 
 
 def tiled_prefill_attention(
-    queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None, softcap=None
-):
+    queries, k_pool, v_pool, block_table, context_len, scale, tile: int, window=None, sinks=None, softcap=None,
+    own=None,
+):  # fmt: skip
     """``prefill_attention`` over ``tile``-token slices of the context, merged with an online softmax.
 
     Every slice has ``tile`` tokens (the last one padded with the null block and
@@ -199,6 +235,7 @@ def tiled_prefill_attention(
     n, q_heads, _, dim = queries.shape
     _, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
+    own_k, own_v = own or (None, None)
     # The CPU multiplies float32 matrices with BLAS and lower precisions without it.
     dtype = mx.float32 if mx.default_device() == mx.cpu else v_pool.dtype
     q = (queries * scale).astype(dtype).reshape(n, kv_heads, rep, dim).transpose(1, 2, 0, 3)
@@ -221,8 +258,11 @@ def tiled_prefill_attention(
     for index in range(tiles):
         start = (first + index * per_tile) * block_size
         blocks = block_table[index * per_tile : (index + 1) * per_tile]
-        k = gather_context(k_pool, blocks, tile)[0].astype(dtype)  # (H, tile, D)
-        v = k if v_pool is k_pool else gather_context(v_pool, blocks, tile)[0].astype(dtype)
+        k = chunk_context(k_pool, blocks, start, tile, own_k, context_len - n)[0].astype(dtype)  # (H, tile, D)
+        if v_pool is not k_pool:
+            v = chunk_context(v_pool, blocks, start, tile, own_v, context_len - n)[0].astype(dtype)
+        else:
+            v = k
         tile_start = mx.array(start, mx.int32)
         peak, total, out = _attend_tile(q, k, v, positions, tile_start, window_size, peak, total, out, softcap)
         # MLX allocates a graph's arrays as it queues their work: unevaluated, every slice's scores

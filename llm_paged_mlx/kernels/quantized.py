@@ -1,18 +1,35 @@
 """Quantized K/V blocks: what a kernel gets for a pool whose values are stored in 8 or 4 bits.
 
 Each token's K (or V) row of one head is quantized along the head dimension
-with ``mx.quantize`` (affine, groups of ``group_size`` values, each with a
-scale and a bias in the model's dtype), as mlx-lm's ``QuantizedKVCache``
-does. A row of ``D`` values packs into ``D * bits / 32`` uint32 words, value
-``i`` in bits ``(i * bits) % 32`` upwards of word ``i * bits // 32``.
+in ``mx.quantize``'s layout (affine, groups of ``group_size`` values, each with
+a scale and a bias in the model's dtype), as mlx-lm's ``QuantizedKVCache``
+stores it. A row of ``D`` values packs into ``D * bits / 32`` uint32 words,
+value ``i`` in bits ``(i * bits) % 32`` upwards of word ``i * bits // 32``.
+Rows are stored rotated, which makes them more faithful than mlx-lm's cache
+at the same size: each group of values is multiplied by a Hadamard matrix
+(``rotate_groups``, orthogonal and its own inverse) before it is quantized,
+which spreads a row's few large values (outlier channels) over its group, so
+the group's range, and its rounding error, shrink. Queries are rotated alike,
+which keeps every score, and the attention's output (a sum of rotated values)
+is rotated back (``models.paged_cache``). Every reader dequantizes as
+``mx.dequantize`` does.
+
+A step's prefill chunks attend to their own tokens' K/V at full precision, as
+mlx-lm's cache attends a prompt to its own K/V before it quantizes them: the
+pool a kernel gets then carries the rows the step wrote, before quantization
+(``QuantizedPool.step_rows``), and earlier tokens are read quantized.
 """
 
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 KV_BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
+# How quantized rows are laid out: part of the disk tier's model identity, so that block files of another
+# layout are never read as this one.
+LAYOUT = "hadamard-rotated"
 
 
 def check_quantization(bits, group_size: int, dims, rows: str) -> None:
@@ -33,6 +50,26 @@ def check_quantization(bits, group_size: int, dims, rows: str) -> None:
         raise ValueError(f"kv_group_size {group_size} does not divide {rows} {odd[0]}: {advice}")
 
 
+def rotate_groups(x: mx.array, group_size: int, dtype=None) -> mx.array:
+    """``x`` ``(..., D)`` with each group of ``group_size`` values (a power of 2) multiplied by the Hadamard
+    matrix, scaled to be orthogonal: applied twice, the identity. In float32, or cast to ``dtype``."""
+    rotated = (x.astype(mx.float32).reshape(-1, group_size) @ _hadamard(group_size)).reshape(x.shape)
+    return rotated if dtype is None else rotated.astype(dtype)
+
+
+def _hadamard(size: int) -> mx.array:
+    """Sylvester's ``size x size`` Hadamard matrix, scaled to be orthogonal (made once per size)."""
+    if size not in _HADAMARD:
+        h = np.ones((1, 1), np.float32)
+        while h.shape[0] < size:
+            h = np.block([[h, h], [h, -h]])
+        _HADAMARD[size] = mx.array(h / np.sqrt(size, dtype=np.float32))
+    return _HADAMARD[size]
+
+
+_HADAMARD: dict[int, mx.array] = {}
+
+
 @dataclass(frozen=True)
 class QuantizedPool:
     """One layer's K or V blocks, quantized: ``shape`` and ``dtype`` are those of the values they stand for."""
@@ -42,6 +79,7 @@ class QuantizedPool:
     biases: mx.array  # like scales
     bits: int
     group_size: int
+    step_rows: "mx.array | None" = None  # (T, heads, dim): the rows this step wrote, before quantization
 
     @property
     def shape(self) -> tuple:
@@ -52,7 +90,8 @@ class QuantizedPool:
         return self.scales.dtype
 
     def map(self, f) -> "QuantizedPool":
-        """``f`` (a take, a view) applied to the values, scales and biases alike: still quantized."""
+        """``f`` (a take, a view) applied to the values, scales and biases alike: still quantized (and without
+        the step's rows, which ``f`` does not index)."""
         return QuantizedPool(f(self.data), f(self.scales), f(self.biases), self.bits, self.group_size)
 
     def dequantize(self, dtype=None) -> mx.array:
@@ -68,3 +107,11 @@ def block_values(pool, blocks: mx.array, dtype=None, axis: int = 0) -> mx.array:
         return pool.map(lambda x: mx.take(x, blocks, axis=axis)).dequantize(dtype)
     taken = mx.take(pool, blocks, axis=axis)
     return taken if dtype is None else taken.astype(dtype)
+
+
+def own_rows(pool, row_start: int, num_tokens: int) -> "mx.array | None":
+    """A prefill chunk's own K (or V) rows ``(num_tokens, heads, dim)`` at full precision, when the pool is
+    quantized and carries the step's rows; else None (the chunk reads its own tokens from the pool)."""
+    if not isinstance(pool, QuantizedPool) or pool.step_rows is None:
+        return None
+    return pool.step_rows[row_start : row_start + num_tokens]

@@ -41,8 +41,8 @@ from mlx_lm.models import base as mlx_base
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
-from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, visible_keys
-from ..kernels.quantized import QuantizedPool, check_quantization
+from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, overlay, visible_keys
+from ..kernels.quantized import QuantizedPool, check_quantization, rotate_groups
 from .latent_shape import query_tile
 from .softcapped import ADAPTED, adapt_attention
 from .state_cache import StateLayout
@@ -67,9 +67,18 @@ class PagedLayerCache:
 
     The pool is a list of arrays with one row per (block, KV head, token):
     K then V at full precision, or with ``kv_bits`` each of them as the packed
-    values, scales and biases of ``mx.quantize`` (``kernels.quantized``),
-    quantized as they are written.
+    values, scales and biases of ``mx.quantize``'s layout, rotated and quantized
+    as they are written (``kernels.quantized``); a step's prefill chunks attend to
+    their own tokens' K/V before quantization (``QuantizedPool.step_rows``).
     """
+
+    # Two ways quantized pools are made more faithful than mlx-lm's cache, at a price in determinism:
+    # prefill chunks attend to their own tokens' K/V as written, before quantization, as a prompt does in
+    # mlx-lm's cache, so a request's tokens depend on where the steps cut its prompt; and rows are stored
+    # rotated (quantized.rotate_groups), whose matrix product rounds a row alike only within one batch size.
+    # Both off, quantized K/V are mx.quantize's of each row, and every key is read from the pool.
+    prompts_attend_unquantized = True
+    rotates_quantized_rows = True
 
     def __init__(
         self, num_blocks, block_size, num_kv_heads, k_dim, v_dim, dtype, kernel,
@@ -86,6 +95,7 @@ class PagedLayerCache:
         self.dtype = dtype
         self.bits, self.group_size = kv_bits, kv_group_size
         self.parts = 1 if kv_bits is None else 3  # arrays per row kind (K, V or latent)
+        self.rotated = kv_bits is not None and self.rotates_quantized_rows  # rows stored rotated
         rows = num_blocks * num_kv_heads * block_size
         columns = [c for dim in dims for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
         # One owner per pool array: a lingering view would make every write copy the pool. (Layers of other
@@ -93,6 +103,7 @@ class PagedLayerCache:
         self.arrays = [mx.zeros((rows, width), dtype=t) for width, t in columns]
         self.kernel = kernel
         self.plan: AttentionPlan | None = None
+        self._step_rows: list[mx.array] | None = None  # see _keep_step_rows
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -113,12 +124,37 @@ class PagedLayerCache:
         keys, values = self.plan.as_rows(keys), self.plan.as_rows(values)
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
+        written = []
         for x, arrays in ((keys, self.arrays[: self.parts]), (values, self.arrays[self.parts :])):
-            x = x.reshape(rows, heads, -1).astype(self.dtype)
-            parts = (x,) if self.bits is None else mx.quantize(x, group_size=self.group_size, bits=self.bits)
-            for array, part in zip(arrays, parts):
-                array[index] = part
+            written.append(self._write(x.reshape(rows, heads, -1), arrays, index))
+        self._keep_step_rows(written)
         return keys, values  # unused: the hook reads the pools
+
+    def _write(self, x: mx.array, arrays: list[mx.array], index: mx.array) -> mx.array:
+        """Store rows ``x`` ``(T, heads, dim)`` at ``index`` of ``arrays`` (with ``kv_bits`` quantized, and rotated
+        if ``self.rotated``); returns them as they are before quantization, in the pool's dtype."""
+        if self.bits is None:
+            x = x.astype(self.dtype)
+            arrays[0][index] = x
+            return x
+        x = (rotate_groups(x, self.group_size) if self.rotated else x).astype(self.dtype)
+        for array, part in zip(arrays, mx.quantize(x, group_size=self.group_size, bits=self.bits)):
+            array[index] = part
+        return x
+
+    def _keep_step_rows(self, rows: list[mx.array]) -> None:
+        """Keep what a step with prefill chunks wrote to quantized pools, before quantization, for its
+        ``attend``: a prompt attends to its own K/V at full precision, as in mlx-lm's cache."""
+        keep = self.bits is not None and self.plan.prefills and self.prompts_attend_unquantized
+        self._step_rows = rows if keep else None
+
+    def _quantized_pools(self, pools: list[mx.array]) -> list[QuantizedPool]:
+        """The pool's arrays as one ``QuantizedPool`` per row kind, with the rows this step wrote."""
+        step_rows, self._step_rows = self._step_rows or [None] * (len(pools) // 3), None
+        return [
+            QuantizedPool(*pools[3 * i : 3 * i + 3], self.bits, self.group_size, rows)
+            for i, rows in enumerate(step_rows)
+        ]
 
     def make_mask(self, *args, **kwargs):
         return None
@@ -130,11 +166,7 @@ class PagedLayerCache:
         dtype = queries.dtype
         if _float32_attention and self.bits is None:
             queries, pools = queries.astype(mx.float32), [p.astype(mx.float32) for p in pools]
-        if self.bits is None:
-            k_pool, v_pool = pools
-        else:
-            k_pool = QuantizedPool(*pools[:3], self.bits, self.group_size)
-            v_pool = QuantizedPool(*pools[3:], self.bits, self.group_size)
+        k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not getattr(self.kernel, "windowed", False):
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
@@ -142,7 +174,12 @@ class PagedLayerCache:
             if not getattr(self.kernel, "softcapped", False):
                 raise ValueError(f"attention kernel {self.kernel.name!r} does not take softcapped scores")
             window_and_sinks["softcap"] = softcap
-        out = self.kernel(self.plan.as_rows(queries), k_pool, v_pool, self.plan, scale, **window_and_sinks)
+        rows = self.plan.as_rows(queries)
+        if self.rotated:  # rotated like the keys: the same scores
+            rows = rotate_groups(rows, self.group_size, rows.dtype)
+        out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
+        if self.rotated:  # a sum of rotated values, rotated back
+            out = rotate_groups(out, self.group_size, out.dtype)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
@@ -195,6 +232,8 @@ class PagedLatentCache(PagedLayerCache):
         check_quantization(kv_bits, kv_group_size, (row_dim,), LATENT_ROWS)
         self._make_pools(num_blocks, 1, block_size, (row_dim,), dtype, kernel, kv_bits, kv_group_size)
         self.latent_dim = latent_dim
+        # The attention's output is the rows' first latent_dim values: rotated back only if no group straddles them.
+        self.rotated = self.rotated and latent_dim % kv_group_size == 0
         self._rope_identity = mx.eye(row_dim - latent_dim, dtype=dtype)[None, None]  # see update_and_fetch
 
     def names(self, layer: int) -> list[str]:
@@ -208,20 +247,23 @@ class PagedLatentCache(PagedLayerCache):
         mask. A sequence (one prompt chunk) gets its whole context's latent and RoPE keys."""
         kv_latent, k_pe = self.plan.as_rows(kv_latent), self.plan.as_rows(k_pe)
         rows = kv_latent.shape[0]
-        x = mx.concatenate([kv_latent.reshape(rows, 1, -1), k_pe.reshape(rows, 1, -1)], axis=-1).astype(self.dtype)
-        parts = (x,) if self.bits is None else mx.quantize(x, group_size=self.group_size, bits=self.bits)
-        index = self.plan.write_indices(1)
-        for array, part in zip(self.arrays, parts):
-            array[index] = part
+        x = mx.concatenate([kv_latent.reshape(rows, 1, -1), k_pe.reshape(rows, 1, -1)], axis=-1)
+        written = self._write(x, self.arrays, self.plan.write_indices(1))
         if self.plan.sequence_rows is None:
+            self._keep_step_rows([written])
             return kv_latent, self._rope_identity
         (chunk,) = self.plan.prefills
         context = gather_context(self._pool(), chunk.block_table, chunk.context_len)  # (1, 1, context, row)
+        if self.rotated:
+            context = rotate_groups(context, self.group_size, self.dtype)  # the model decompresses them: as they were
+        if self.bits is not None and self.prompts_attend_unquantized:  # the chunk's own rows before quantization
+            own = x[chunk.row_start : chunk.row_start + chunk.num_tokens].astype(self.dtype).swapaxes(0, 1)[None]
+            context = overlay(context, 0, own, chunk.context_len - chunk.num_tokens)
         return context[..., : self.latent_dim], context[..., self.latent_dim :]
 
     def _pool(self):
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
-        return pools[0] if self.bits is None else QuantizedPool(*pools, self.bits, self.group_size)
+        return pools[0] if self.bits is None else self._quantized_pools(pools)[0]
 
     def attend(self, queries, rope_queries, scale):
         """``queries`` ``(T, H, 1, latent_dim)`` absorbed, ``rope_queries`` ``(T, H, 1, rope_dim)`` already
@@ -230,7 +272,11 @@ class PagedLatentCache(PagedLayerCache):
         if _float32_attention and self.bits is None:
             queries, pool = queries.astype(mx.float32), pool.astype(mx.float32)
         rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
+        if self.rotated:  # see PagedLayerCache.attend
+            rows = rotate_groups(rows, self.group_size, rows.dtype)
         out = self.kernel.latent_attention(rows, pool, self.latent_dim, self.plan, 1.0)
+        if self.rotated:
+            out = rotate_groups(out, self.group_size, out.dtype)
         if self.plan.prefills:
             mx.eval(out)  # as in PagedLayerCache.attend
         return out.astype(dtype)
