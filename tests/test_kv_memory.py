@@ -6,7 +6,7 @@ import pytest
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import memory
 from llm_paged_mlx.kernels import PrefillChunk, portable
-from llm_paged_mlx.kernels.quantized import QuantizedPool, rotate_groups
+from llm_paged_mlx.kernels.quantized import QuantizedPool, rotate, unrotate
 from llm_paged_mlx.models.paged_cache import PagedLayerCache
 from models import tiny_model
 from test_engine import random_prompts, reference
@@ -50,7 +50,7 @@ def test_portable_kernel_reads_quantized_blocks_as_their_values(bits, block_size
     assert mx.allclose(got, want, atol=1e-5).item()
 
 
-def test_a_quantized_cache_writes_rows_rotated_with_less_error_than_as_they_are():
+def test_a_quantized_cache_writes_keys_rotated_with_less_error_than_as_they_are_and_values_as_they_are():
     from llm_paged_mlx.kernels.plan import AttentionPlan
 
     cache = PagedLayerCache(4, 16, 2, 64, 64, mx.float32, portable.PortableKernel(), kv_bits=4, kv_group_size=32)
@@ -60,11 +60,13 @@ def test_a_quantized_cache_writes_rows_rotated_with_less_error_than_as_they_are(
     cache.plan = AttentionPlan(16, slots, slots, 3, mx.zeros((3, 1), mx.int32), mx.ones(3, mx.int32))
     cache.update_and_fetch(keys, values)
     rows = cache.plan.write_indices(2)
-    rows_of_keys = keys.reshape(3, 2, 64)
-    for part, written in zip(mx.quantize(rotate_groups(rows_of_keys, 32), group_size=32, bits=4), cache.arrays[:3]):
+    rows_of_keys, rows_of_values = keys.reshape(3, 2, 64), values.reshape(3, 2, 64)
+    for part, written in zip(mx.quantize(rotate(rows_of_keys, 32), group_size=32, bits=4), cache.arrays[:3]):
+        assert mx.array_equal(written[rows], part).item()
+    for part, written in zip(mx.quantize(rows_of_values, group_size=32, bits=4), cache.arrays[3:]):
         assert mx.array_equal(written[rows], part).item()
     stored = mx.dequantize(*(a[rows] for a in cache.arrays[:3]), group_size=32, bits=4)
-    error = mx.mean((rotate_groups(stored, 32) - rows_of_keys) ** 2).item()
+    error = mx.mean((unrotate(stored, 32) - rows_of_keys) ** 2).item()
     plain = mx.dequantize(*mx.quantize(rows_of_keys, group_size=32, bits=4), group_size=32, bits=4)
     assert error < 0.5 * mx.mean((plain - rows_of_keys) ** 2).item()  # rotated, an outlier no longer sets the step
     assert cache.nbytes < 4 * 2 * 16 * 64 * 4 * 2 / 4  # packed: less than a quarter of float32
@@ -330,3 +332,16 @@ def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, kv_bi
     second = Engine(model, kv_disk_cache=KVDiskCache(tmp_path, f"tiny-q{bits}"), **options)
     out = second.generate([prompt], params)[0]
     assert out.num_disk_cached_tokens == 64 and out.token_ids == want
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16, mx.float16])
+def test_a_rotation_keeps_every_score_and_its_inverse_undoes_it_in_each_dtype(group_size, dtype):
+    keys, queries = (mx.random.normal((5, 256), key=mx.random.key(seed)).astype(dtype) for seed in (1, 2))
+    want = (queries.astype(mx.float32) @ keys.astype(mx.float32).T)
+    got = unrotate(queries, group_size).astype(mx.float32) @ rotate(keys, group_size).astype(mx.float32).T
+    tolerance = 1e-4 if dtype == mx.float32 else 0.25  # the rotated rows are rounded to the dtype
+    assert mx.allclose(got, want, atol=tolerance).item()
+    assert not mx.allclose(rotate(keys, group_size), keys, atol=0.1).item()  # it does rotate
+    back = unrotate(rotate(keys.astype(mx.float32), group_size), group_size)
+    assert mx.allclose(back, keys.astype(mx.float32), atol=1e-5).item()

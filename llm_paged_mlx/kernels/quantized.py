@@ -5,14 +5,16 @@ in ``mx.quantize``'s layout (affine, groups of ``group_size`` values, each with
 a scale and a bias in the model's dtype), as mlx-lm's ``QuantizedKVCache``
 stores it. A row of ``D`` values packs into ``D * bits / 32`` uint32 words,
 value ``i`` in bits ``(i * bits) % 32`` upwards of word ``i * bits // 32``.
-Rows are stored rotated, which makes them more faithful than mlx-lm's cache
-at the same size: each group of values is multiplied by a Hadamard matrix
-(``rotate_groups``, orthogonal and its own inverse) before it is quantized,
-which spreads a row's few large values (outlier channels) over its group, so
-the group's range, and its rounding error, shrink. Queries are rotated alike,
-which keeps every score, and the attention's output (a sum of rotated values)
-is rotated back (``models.paged_cache``). Every reader dequantizes as
-``mx.dequantize`` does.
+Keys are stored rotated, which makes them more faithful than mlx-lm's cache
+at the same size: each group of a key's values is multiplied by a Hadamard
+matrix (``rotate``) before it is quantized, which spreads the few large values
+of keys' outlier channels over the group, so the group's range, and its
+rounding error, shrink. Queries are multiplied by the inverse, which keeps
+every score (``models.paged_cache``). Values, which have no such channels, are
+stored as they are. (MLA's latent rows are keys and values at once: the
+attention's output, a sum of rotated rows, is rotated back.) The matrices'
+entries are powers of two, exact in any float dtype, so each is the other's
+inverse with no error of their own. Every reader dequantizes as ``mx.dequantize`` does.
 
 A step's prefill chunks attend to their own tokens' K/V at full precision, as
 mlx-lm's cache attends a prompt to its own K/V before it quantizes them: the
@@ -29,7 +31,7 @@ KV_BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
 # How quantized rows are laid out: part of the disk tier's model identity, so that block files of another
 # layout are never read as this one.
-LAYOUT = "hadamard-rotated"
+LAYOUT = "hadamard-rotated-keys"
 
 
 def check_quantization(bits, group_size: int, dims, rows: str) -> None:
@@ -50,24 +52,34 @@ def check_quantization(bits, group_size: int, dims, rows: str) -> None:
         raise ValueError(f"kv_group_size {group_size} does not divide {rows} {odd[0]}: {advice}")
 
 
-def rotate_groups(x: mx.array, group_size: int, dtype=None) -> mx.array:
+def rotate(x: mx.array, group_size: int) -> mx.array:
     """``x`` ``(..., D)`` with each group of ``group_size`` values (a power of 2) multiplied by the Hadamard
-    matrix, scaled to be orthogonal: applied twice, the identity. In float32, or cast to ``dtype``."""
-    rotated = (x.astype(mx.float32).reshape(-1, group_size) @ _hadamard(group_size)).reshape(x.shape)
-    return rotated if dtype is None else rotated.astype(dtype)
+    matrix and a power of two, as rows are stored rotated; in ``x``'s dtype."""
+    return x @ _block_hadamard(x.shape[-1], group_size, x.dtype, inverse=False)
 
 
-def _hadamard(size: int) -> mx.array:
-    """Sylvester's ``size x size`` Hadamard matrix, scaled to be orthogonal (made once per size)."""
-    if size not in _HADAMARD:
+def unrotate(x: mx.array, group_size: int) -> mx.array:
+    """The inverse of ``rotate`` (its transpose too, up to a power of two: queries multiplied by it keep
+    their scores against rotated keys)."""
+    return x @ _block_hadamard(x.shape[-1], group_size, x.dtype, inverse=True)
+
+
+def _block_hadamard(dim: int, size: int, dtype, inverse: bool) -> mx.array:
+    """The ``dim x dim`` block-diagonal matrix of Sylvester's ``size x size`` Hadamard matrix ``H``, times
+    ``2**-a`` (``rotate``) or ``2**-b`` (``unrotate``), ``a + b = log2(size)``: as ``H @ H = size * I``,
+    each undoes the other, and every entry is exact in any float dtype (made once per shape)."""
+    key = (dim, size, dtype, inverse)
+    if key not in _HADAMARD:
         h = np.ones((1, 1), np.float32)
         while h.shape[0] < size:
             h = np.block([[h, h], [h, -h]])
-        _HADAMARD[size] = mx.array(h / np.sqrt(size, dtype=np.float32))
-    return _HADAMARD[size]
+        log2 = size.bit_length() - 1
+        h = h * 2.0 ** -(log2 - log2 // 2 if inverse else log2 // 2)
+        _HADAMARD[key] = mx.array(np.kron(np.eye(dim // size, dtype=np.float32), h)).astype(dtype)
+    return _HADAMARD[key]
 
 
-_HADAMARD: dict[int, mx.array] = {}
+_HADAMARD: dict[tuple, mx.array] = {}
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,7 @@ from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, overlay, visible_keys
-from ..kernels.quantized import QuantizedPool, check_quantization, rotate_groups
+from ..kernels.quantized import QuantizedPool, check_quantization, rotate, unrotate
 from .latent_shape import query_tile
 from .softcapped import ADAPTED, adapt_attention
 from .state_cache import StateLayout
@@ -67,15 +67,15 @@ class PagedLayerCache:
 
     The pool is a list of arrays with one row per (block, KV head, token):
     K then V at full precision, or with ``kv_bits`` each of them as the packed
-    values, scales and biases of ``mx.quantize``'s layout, rotated and quantized
-    as they are written (``kernels.quantized``); a step's prefill chunks attend to
+    values, scales and biases of ``mx.quantize``'s layout, quantized as they are
+    written, keys rotated first (``kernels.quantized``); a step's prefill chunks attend to
     their own tokens' K/V before quantization (``QuantizedPool.step_rows``).
     """
 
     # Two ways quantized pools are made more faithful than mlx-lm's cache, at a price in determinism:
     # prefill chunks attend to their own tokens' K/V as written, before quantization, as a prompt does in
     # mlx-lm's cache, so a request's tokens depend on where the steps cut its prompt; and rows are stored
-    # rotated (quantized.rotate_groups), whose matrix product rounds a row alike only within one batch size.
+    # rotated (quantized.rotate), whose matrix product rounds a row alike only within one batch size.
     # Both off, quantized K/V are mx.quantize's of each row, and every key is read from the pool.
     prompts_attend_unquantized = True
     rotates_quantized_rows = True
@@ -95,7 +95,7 @@ class PagedLayerCache:
         self.dtype = dtype
         self.bits, self.group_size = kv_bits, kv_group_size
         self.parts = 1 if kv_bits is None else 3  # arrays per row kind (K, V or latent)
-        self.rotated = kv_bits is not None and self.rotates_quantized_rows  # rows stored rotated
+        self.rotated = kv_bits is not None and self.rotates_quantized_rows  # keys stored rotated
         rows = num_blocks * num_kv_heads * block_size
         columns = [c for dim in dims for c in pool_columns(dim, dtype, kv_bits, kv_group_size)]
         # One owner per pool array: a lingering view would make every write copy the pool. (Layers of other
@@ -124,20 +124,19 @@ class PagedLayerCache:
         keys, values = self.plan.as_rows(keys), self.plan.as_rows(values)
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
-        written = []
-        for x, arrays in ((keys, self.arrays[: self.parts]), (values, self.arrays[self.parts :])):
-            written.append(self._write(x.reshape(rows, heads, -1), arrays, index))
-        self._keep_step_rows(written)
+        keys = self._write(keys.reshape(rows, heads, -1), self.arrays[: self.parts], index, self.rotated)
+        values = self._write(values.reshape(rows, heads, -1), self.arrays[self.parts :], index, rotated=False)
+        self._keep_step_rows([keys, values])
         return keys, values  # unused: the hook reads the pools
 
-    def _write(self, x: mx.array, arrays: list[mx.array], index: mx.array) -> mx.array:
-        """Store rows ``x`` ``(T, heads, dim)`` at ``index`` of ``arrays`` (with ``kv_bits`` quantized, and rotated
-        if ``self.rotated``); returns them as they are before quantization, in the pool's dtype."""
+    def _write(self, x: mx.array, arrays: list[mx.array], index: mx.array, rotated: bool) -> mx.array:
+        """Store rows ``x`` ``(T, heads, dim)`` at ``index`` of ``arrays`` (with ``kv_bits`` quantized, rotated
+        first if ``rotated``); returns them as they are before quantization, in the pool's dtype."""
         if self.bits is None:
             x = x.astype(self.dtype)
             arrays[0][index] = x
             return x
-        x = (rotate_groups(x, self.group_size) if self.rotated else x).astype(self.dtype)
+        x = (rotate(x, self.group_size) if rotated else x).astype(self.dtype)
         for array, part in zip(arrays, mx.quantize(x, group_size=self.group_size, bits=self.bits)):
             array[index] = part
         return x
@@ -175,11 +174,9 @@ class PagedLayerCache:
                 raise ValueError(f"attention kernel {self.kernel.name!r} does not take softcapped scores")
             window_and_sinks["softcap"] = softcap
         rows = self.plan.as_rows(queries)
-        if self.rotated:  # rotated like the keys: the same scores
-            rows = rotate_groups(rows, self.group_size, rows.dtype)
+        if self.rotated:  # against rotated keys, the same scores
+            rows = unrotate(rows, self.group_size)
         out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
-        if self.rotated:  # a sum of rotated values, rotated back
-            out = rotate_groups(out, self.group_size, out.dtype)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
@@ -248,14 +245,14 @@ class PagedLatentCache(PagedLayerCache):
         kv_latent, k_pe = self.plan.as_rows(kv_latent), self.plan.as_rows(k_pe)
         rows = kv_latent.shape[0]
         x = mx.concatenate([kv_latent.reshape(rows, 1, -1), k_pe.reshape(rows, 1, -1)], axis=-1)
-        written = self._write(x, self.arrays, self.plan.write_indices(1))
+        written = self._write(x, self.arrays, self.plan.write_indices(1), self.rotated)
         if self.plan.sequence_rows is None:
             self._keep_step_rows([written])
             return kv_latent, self._rope_identity
         (chunk,) = self.plan.prefills
         context = gather_context(self._pool(), chunk.block_table, chunk.context_len)  # (1, 1, context, row)
         if self.rotated:
-            context = rotate_groups(context, self.group_size, self.dtype)  # the model decompresses them: as they were
+            context = unrotate(context, self.group_size)  # the model decompresses them: as they were
         if self.bits is not None and self.prompts_attend_unquantized:  # the chunk's own rows before quantization
             own = x[chunk.row_start : chunk.row_start + chunk.num_tokens].astype(self.dtype).swapaxes(0, 1)[None]
             context = overlay(context, 0, own, chunk.context_len - chunk.num_tokens)
@@ -272,11 +269,11 @@ class PagedLatentCache(PagedLayerCache):
         if _float32_attention and self.bits is None:
             queries, pool = queries.astype(mx.float32), pool.astype(mx.float32)
         rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
-        if self.rotated:  # see PagedLayerCache.attend
-            rows = rotate_groups(rows, self.group_size, rows.dtype)
+        if self.rotated:  # see PagedLayerCache.attend; the output, a sum of rotated rows, is rotated back
+            rows = unrotate(rows, self.group_size)
         out = self.kernel.latent_attention(rows, pool, self.latent_dim, self.plan, 1.0)
         if self.rotated:
-            out = rotate_groups(out, self.group_size, out.dtype)
+            out = unrotate(out, self.group_size)
         if self.plan.prefills:
             mx.eval(out)  # as in PagedLayerCache.attend
         return out.astype(dtype)
