@@ -15,15 +15,18 @@ step, medians over ``--steps`` steady steps after a warm-up:
 - apply: handing the tokens to their requests (stop rules, output chunks);
 - step: one call of ``Engine.step``, all of it.
 
-The same split for mlx-lm's ``generate_step`` loop at one stream (its model call, ``async_eval``,
-reading a token) and its time per token, and for the engine at one stream with everything else idle: the
-device's own time per step (a step launched and waited for alone, minus nothing) beside the host parts.
+The same split for mlx-lm at one stream: a bare greedy loop over its model and ``KVCache`` in
+``generate_step``'s order (its model call, ``async_eval``, reading a token), its time per token; the engine at one stream with each step waited for before the
+next is built; and on a small pool, the engine's order against launching the next step before the one in
+flight is read. ``--kernel-profile ROWS`` lists the GPU kernels of the engine's steps instead.
 The budget a step has is the device's time: whatever host work is not hidden behind it is lost.
 """
 
 import argparse
 import statistics
+import sys
 import time
+from pathlib import Path
 from collections import defaultdict
 
 import mlx.core as mx
@@ -32,8 +35,11 @@ from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # thi
 from long_context import LLAMA_8B
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import make_prompt_cache
+from step_breakdown import engine_step, kernel_table
 
 from llm_paged_mlx import Engine, SamplingParams
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # smollm2.py: where the model is kept
 
 MODELS = {"llama-8b": (llama, LLAMA_8B), "qwen3-0.6b": (qwen3, QWEN3_0_6B)}
 PARTS = ("schedule", "forward", "sample", "launch", "wait", "apply")
@@ -102,6 +108,41 @@ def engine_device_ms(model, prompt, steps: int) -> float:
     return 1000 * statistics.median(times[-steps - 5 : -5])
 
 
+def launch_before_read_ms(model, prompt, steps: int, launch_first: bool) -> float:
+    """One stream on a small pool (64 MiB), ms a step: the engine's own order (``launch_first`` False), or
+    the next step launched before the one in flight is read, as mlx-lm's loop does. The engine does not:
+    the step in flight holds the pools, so each K/V write of the next one copies its pool (here a small
+    one, so the copies cost little): this bounds what launching ahead would gain with in-place writes."""
+    engine = Engine(model, kv_budget_bytes=64 * 2**20, enable_prefix_caching=False)
+
+    def run_ahead(launched):
+        def build(handles):
+            for request in launched.sampled:
+                request.output_token_ids.append(-1)
+            try:
+                plan = engine.scheduler.schedule()
+                engine._protect(plan)
+                return engine._build(plan.chunks, launched.tokens.astype(mx.int32))
+            finally:
+                for request in launched.sampled:
+                    request.output_token_ids.pop()
+
+        ahead = engine._transaction(build)
+        engine._in_flight = None
+        engine._launch(ahead)
+        engine._apply(launched, launched.tokens.tolist(), {})
+
+    if launch_first:
+        engine._run_ahead = run_ahead
+    engine.add_request(prompt, SamplingParams(max_tokens=steps + 40, ignore_eos=True))
+    times = []
+    while engine.has_unfinished():
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[-steps - 5 : -5])
+
+
 def mlx_lm_profile(model, prompt, steps: int) -> dict[str, float]:
     """mlx-lm's generate_step loop, greedy, split as its code runs: the next token's graph is built and
     launched before the current one is read."""
@@ -130,27 +171,48 @@ def main():
     parser.add_argument("--model", choices=MODELS, default="llama-8b")
     parser.add_argument("--bits", type=int, choices=[4], default=None, help="quantize the weights (group 64)")
     parser.add_argument("--small", action="store_true", help="a 4-layer model, float32 (the CPU)")
+    parser.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M, float32 (the CPU)")
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--steps", type=int, default=64)
+    parser.add_argument("--kernel-profile", type=int, metavar="ROWS", default=None,
+                        help="then list the GPU kernels of the engine's steps at ROWS requests (needs PyTorch)")
     args = parser.parse_args()
-    module, config = MODELS[args.model]
-    config = SMALL if args.small else config
-    model = build_model(module, config, mx.float32 if args.small else mx.bfloat16)
-    if args.bits:
-        nn.quantize(model, group_size=64, bits=args.bits)
-        mx.eval(model.parameters())
-    dtype = "float32" if args.small else "bf16"
-    name = f"{'small ' if args.small else ''}{args.model}, {f'{args.bits}-bit' if args.bits else dtype} weights"
+    if args.smollm2:
+        from smollm2 import smollm2_dir
+
+        from llm_paged_mlx.models.loading import load_model
+
+        model, _ = load_model(str(smollm2_dir()), dequantize=not args.bits, dtype="float32")
+        name, layers, vocab = f"SmolLM2-135M, {f'its {args.bits}-bit GGUF' if args.bits else 'float32'} weights", \
+            model.args.num_hidden_layers, model.args.vocab_size
+    else:
+        module, config = MODELS[args.model]
+        config = SMALL if args.small else config
+        model = build_model(module, config, mx.float32 if args.small else mx.bfloat16)
+        if args.bits:
+            nn.quantize(model, group_size=64, bits=args.bits)
+            mx.eval(model.parameters())
+        dtype = "float32" if args.small else "bf16"
+        name = f"{'small ' if args.small else ''}{args.model}, {f'{args.bits}-bit' if args.bits else dtype} weights"
+        layers, vocab = config["num_hidden_layers"], config["vocab_size"]
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {name}, "
-          f"{config['num_hidden_layers']} layers; ms per decode step, medians of {args.steps}")
-    vocab = config["vocab_size"]
+          f"{layers} layers; ms per decode step, medians of {args.steps}")
     prompt = prompts_for(1, vocab, 1, 64, 128)[0]
+    if args.kernel_profile:
+        profiler, show = kernel_table(args.steps)
+        if profiler is not None:
+            engine = Engine(model, kv_budget_bytes=4 * 2**30, max_num_seqs=64, enable_prefix_caching=False)
+            prompts = prompts_for(args.kernel_profile, vocab, args.kernel_profile, 64, 128)
+            engine_step(engine, prompts, args.steps)  # warm-up
+            engine_step(engine, prompts, args.steps, profiler)
+            show()
+        return
     mlx_lm_profile(model, prompt, 8)  # warm-up
     theirs = mlx_lm_profile(model, prompt, args.steps)
     print("| system | rows | schedule | forward | sample | launch | wait | apply | step | tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     cells = [f"{theirs[p]:.2f}" if p in theirs else "" for p in PARTS]
-    print(f"| mlx-lm generate_step | 1 | {' | '.join(cells)} | {theirs['step']:.2f} | {1000 / theirs['step']:.0f} |")
+    print(f"| mlx-lm loop | 1 | {' | '.join(cells)} | {theirs['step']:.2f} | {1000 / theirs['step']:.0f} |")
     for rows in args.rows:
         prompts = prompts_for(rows, vocab, rows, 64, 128)
         engine_profile(model, prompts, 8)  # warm-up: traces this shape's steps
@@ -160,6 +222,10 @@ def main():
               flush=True)
     alone = engine_device_ms(model, prompt, args.steps)
     print(f"\nengine, one stream, each step waited for before the next is built: {alone:.2f} ms a step")
+    for launch_first in (False, True, False, True):
+        ms = launch_before_read_ms(model, prompt, args.steps, launch_first)
+        order = "the next step launched before the last is read (pools copied)" if launch_first else "as it runs"
+        print(f"engine, one stream, 64 MiB pool, {order}: {ms:.2f} ms a step")
 
 
 if __name__ == "__main__":

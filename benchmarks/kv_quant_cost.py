@@ -1,6 +1,6 @@
 """What faithful quantized K/V cost: the engine's K/V quantization against the plain one, in one process.
 
-The engine writes quantized K/V rotated (a Hadamard matrix per group, ``kernels.quantized``), and
+The engine writes quantized keys rotated (a Hadamard matrix per group, ``kernels.quantized``), and
 a prompt chunk attends to its own K/V before quantization. The plain way writes ``mx.quantize``'s
 rows as they are and reads every key from the pool. This times the
 plain way, then each part of the engine's way added, on one model: one stream (time to first token
@@ -31,14 +31,13 @@ from engine_throughput import build_model, prompts_for  # noqa: E402
 from long_context import LLAMA_8B  # noqa: E402
 
 from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
-from llm_paged_mlx.kernels import quantized  # noqa: E402
 from llm_paged_mlx.models import paged_cache  # noqa: E402
 
 
-WAYS = {  # name: (prompts attend to their own K/V before quantization, rows stored rotated)
+WAYS = {  # name: (prompts attend to their own K/V before quantization, keys stored rotated)
     "mx.quantize, as written": (False, False),
     "own rows": (True, False),
-    "own rows, rotated (the engine)": (True, True),
+    "own rows, keys rotated (the engine)": (True, True),
 }
 
 
@@ -94,8 +93,7 @@ def main():
     else:
         model = build_model(llama, LLAMA_8B, mx.bfloat16)
         name, vocab = "Llama-3.1-8B-shaped bf16 (random weights)", LLAMA_8B["vocab_size"]
-    print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {name}; "
-          f"K/V layout {quantized.LAYOUT!r}")
+    print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {name}")
     prompt = prompts_for(1, vocab, 1, args.prompt_tokens, args.prompt_tokens)[0]
     prompts = prompts_for(args.concurrency, vocab, 2)
     print(f"| kv_bits | quantization | TTFT {args.prompt_tokens} tokens (s) | one stream tok/s "

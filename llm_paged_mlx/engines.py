@@ -111,7 +111,6 @@ def disk_cache(folder: Path, budget: int, kv_quantization=None):
     import mlx.core as mx
 
     from .engine.disk.store import KVDiskCache
-    from .kernels import quantized
     from .models.identity import model_identity
 
     on_cpu = mx.default_device() == mx.cpu
@@ -119,7 +118,6 @@ def disk_cache(folder: Path, budget: int, kv_quantization=None):
     settings = {"dequantized": on_cpu, "dtype": "float32" if on_cpu else "as-stored"}
     if kv_quantization is not None:  # only quantized K/V add to the identity: full-precision files keep theirs
         settings["kv_bits"], settings["kv_group_size"] = kv_quantization
-        settings["kv_layout"] = quantized.LAYOUT
     identity = model_identity(folder, digests, **settings)
     key = (kv_disk_dir(), identity, budget)
     if key not in _DISK_CACHES:

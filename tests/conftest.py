@@ -23,3 +23,13 @@ def kv_bits_schedule_free(monkeypatch):
 
     monkeypatch.setattr(PagedLayerCache, "prompts_attend_unquantized", False)
     monkeypatch.setattr(PagedLayerCache, "rotates_quantized_rows", False)
+
+
+@pytest.fixture
+def kv_read_from_pool(monkeypatch):
+    """Quantized K/V stored as the engine stores them (keys rotated), but every key read from the pool, a
+    prompt's own too: so that the tokens after a prompt read back from the disk tier are those after the
+    same prompt computed."""
+    from llm_paged_mlx.models.paged_cache import PagedLayerCache
+
+    monkeypatch.setattr(PagedLayerCache, "prompts_attend_unquantized", False)

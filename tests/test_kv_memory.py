@@ -317,11 +317,13 @@ def test_a_workload_larger_than_the_budget_stays_under_the_cap(memory_limit):
     assert outputs[0].token_ids == reference(model, prompts[0], 40)
 
 
+@pytest.mark.parametrize("layout", ["keys rotated", "as mx.quantize gives them"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, kv_bits_schedule_free):
+def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, layout, kv_read_from_pool, monkeypatch):
     """Blocks saved at ``kv_bits`` are read back by a new engine (another process, in effect) bit for bit."""
     from llm_paged_mlx.engine.disk.store import KVDiskCache
 
+    monkeypatch.setattr(PagedLayerCache, "rotates_quantized_rows", layout == "keys rotated")
     model = tiny_model("llama")
     prompt = random_prompts([70], seed=12)[0]
     params = SamplingParams(max_tokens=10)
@@ -332,6 +334,34 @@ def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, kv_bi
     second = Engine(model, kv_disk_cache=KVDiskCache(tmp_path, f"tiny-q{bits}"), **options)
     out = second.generate([prompt], params)[0]
     assert out.num_disk_cached_tokens == 64 and out.token_ids == want
+
+
+def test_block_files_of_another_quantized_layout_are_never_read(tmp_path, kv_read_from_pool, monkeypatch):
+    """Files of unrotated keys (an older layout: the same shapes and dtypes) under the same model id are
+    removed as malformed when keys are stored rotated, and the prompt is computed: the tokens are the
+    rotated engine's own."""
+    from llm_paged_mlx.engine.disk.store import KVDiskCache, KVDiskCacheWarning
+
+    model = tiny_model("llama")
+    prompt = random_prompts([70], seed=12)[0]
+    params = SamplingParams(max_tokens=10)
+    options = dict(num_blocks=64, kv_bits=4, kv_group_size=32)
+
+    def run(rotated: bool, disk: bool):
+        monkeypatch.setattr(PagedLayerCache, "rotates_quantized_rows", rotated)
+        engine = Engine(model, kv_disk_cache=KVDiskCache(tmp_path, "tiny-q4") if disk else None, **options)
+        out = engine.generate([prompt], params)[0]
+        if disk:
+            engine.disk.flush()
+        return out, engine
+
+    old, _ = run(rotated=False, disk=True)
+    want, _ = run(rotated=True, disk=False)
+    assert want.token_ids != old.token_ids  # the layouts differ enough that reading one as the other shows
+    with pytest.warns(KVDiskCacheWarning, match=r"has tensors \['k\.0'.*not the \['k_rotated\.0'.*removed it"):
+        got, engine = run(rotated=True, disk=True)
+    assert got.num_disk_cached_tokens == 0 and got.token_ids == want.token_ids
+    assert engine.runner.block_layout()[0][0] == "k_rotated.0"
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

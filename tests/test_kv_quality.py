@@ -49,10 +49,12 @@ def test_full_precision_answers_are_mlx_lm_s(agreement):
     assert agreement["engine", None] == [NEW_TOKENS] * len(agreement["engine", None])
 
 
+@pytest.mark.parametrize("prompts", [4, PROMPTS])
 @pytest.mark.parametrize("bits", BITS)
-def test_quantized_answers_stay_with_full_precision_as_long_as_mlx_lm_s(bits, agreement):
-    """The mean index of the first token that differs from full precision's answer, over the prompts."""
-    ours, theirs = agreement["engine", bits], agreement["mlx-lm", bits]
+def test_quantized_answers_stay_with_full_precision_as_long_as_mlx_lm_s(bits, prompts, agreement):
+    """The mean index of the first token that differs from full precision's answer, over the first 4 prompts
+    (issue Q's) and over all of them."""
+    ours, theirs = agreement["engine", bits][:prompts], agreement["mlx-lm", bits][:prompts]
     assert sum(ours) >= sum(theirs), f"{bits}-bit: engine {ours}, mlx-lm {theirs}"
 
 
@@ -67,10 +69,9 @@ def test_full_precision_pools_give_mlx_lm_logits(quality):
 @pytest.mark.parametrize("bits", BITS)
 def test_quantized_pools_lose_no_more_than_mlx_lm(quality, bits):
     ours, theirs = mean_kl(quality, "engine", bits), mean_kl(quality, "mlx-lm", bits)
-    # Both quantize the same K/V rows with the same scheme, so they differ only where float rounding
-    # in attention moves a value to the next quantization step a few layers on: noise of a few
-    # percent of the KL either way (benchmarks/RESULTS.md), which 1.1x leaves room for. The absolute
-    # term covers that noise at 8 bits, where the KL itself is small; a real loss is far larger.
+    # The engine's chunks attend to their own K/V before quantization and its keys are stored rotated, so
+    # its KL is a fraction of mlx-lm's (benchmarks/RESULTS.md); the bound is the issue's 1.1x, and the
+    # absolute term covers rounding noise at 8 bits, where the KL itself is small.
     assert ours <= 1.1 * theirs + 1e-4, f"{bits}-bit: engine KL {ours:.3e}, mlx-lm {theirs:.3e}"
 
 

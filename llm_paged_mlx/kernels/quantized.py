@@ -29,9 +29,6 @@ import numpy as np
 
 KV_BITS = (8, 4)
 GROUP_SIZES = (32, 64, 128)
-# How quantized rows are laid out: part of the disk tier's model identity, so that block files of another
-# layout are never read as this one.
-LAYOUT = "hadamard-rotated-keys"
 
 
 def check_quantization(bits, group_size: int, dims, rows: str) -> None:
@@ -54,28 +51,27 @@ def check_quantization(bits, group_size: int, dims, rows: str) -> None:
 
 def rotate(x: mx.array, group_size: int) -> mx.array:
     """``x`` ``(..., D)`` with each group of ``group_size`` values (a power of 2) multiplied by the Hadamard
-    matrix and a power of two, as rows are stored rotated; in ``x``'s dtype."""
-    return x @ _block_hadamard(x.shape[-1], group_size, x.dtype, inverse=False)
+    matrix and a power of two, as keys are stored; in ``x``'s dtype."""
+    return (x.reshape(-1, group_size) @ _hadamard(group_size, x.dtype, inverse=False)).reshape(x.shape)
 
 
 def unrotate(x: mx.array, group_size: int) -> mx.array:
     """The inverse of ``rotate`` (its transpose too, up to a power of two: queries multiplied by it keep
     their scores against rotated keys)."""
-    return x @ _block_hadamard(x.shape[-1], group_size, x.dtype, inverse=True)
+    return (x.reshape(-1, group_size) @ _hadamard(group_size, x.dtype, inverse=True)).reshape(x.shape)
 
 
-def _block_hadamard(dim: int, size: int, dtype, inverse: bool) -> mx.array:
-    """The ``dim x dim`` block-diagonal matrix of Sylvester's ``size x size`` Hadamard matrix ``H``, times
-    ``2**-a`` (``rotate``) or ``2**-b`` (``unrotate``), ``a + b = log2(size)``: as ``H @ H = size * I``,
-    each undoes the other, and every entry is exact in any float dtype (made once per shape)."""
-    key = (dim, size, dtype, inverse)
+def _hadamard(size: int, dtype, inverse: bool) -> mx.array:
+    """Sylvester's ``size x size`` Hadamard matrix ``H`` times ``2**-a`` (``rotate``) or ``2**-b``
+    (``unrotate``), ``a + b = log2(size)``: as ``H @ H = size * I``, each undoes the other, and every entry
+    is exact in any float dtype (made once per size and dtype)."""
+    key = (size, dtype, inverse)
     if key not in _HADAMARD:
         h = np.ones((1, 1), np.float32)
         while h.shape[0] < size:
             h = np.block([[h, h], [h, -h]])
         log2 = size.bit_length() - 1
-        h = h * 2.0 ** -(log2 - log2 // 2 if inverse else log2 // 2)
-        _HADAMARD[key] = mx.array(np.kron(np.eye(dim // size, dtype=np.float32), h)).astype(dtype)
+        _HADAMARD[key] = mx.array(h * 2.0 ** -(log2 - log2 // 2 if inverse else log2 // 2)).astype(dtype)
     return _HADAMARD[key]
 
 

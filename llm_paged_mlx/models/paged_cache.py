@@ -112,9 +112,14 @@ class PagedLayerCache:
         return self.arrays[0].shape[0] // (heads * size), heads, size
 
     def names(self, layer: int) -> list[str]:
-        """Names of the pool's arrays (as block files name them): k.0, v.0; quantized also k_scales.0, ..."""
+        """Names of the pool's arrays (as block files name them): k.0, v.0; quantized also k_scales.0, ...,
+        and keys stored rotated k_rotated.0, k_rotated_scales.0, ...: a file of another layout has other
+        names, so it is never read as this one."""
+        return self._names(("k_rotated" if self.rotated else "k", "v"), layer)
+
+    def _names(self, kinds: tuple[str, ...], layer: int) -> list[str]:
         suffixes = ("",) if self.bits is None else ("", "_scales", "_biases")
-        return [f"{kv}{suffix}.{layer}" for kv in "kv" for suffix in suffixes]
+        return [f"{kind}{suffix}.{layer}" for kind in kinds for suffix in suffixes]
 
     @property
     def offset(self):
@@ -234,9 +239,9 @@ class PagedLatentCache(PagedLayerCache):
         self._rope_identity = mx.eye(row_dim - latent_dim, dtype=dtype)[None, None]  # see update_and_fetch
 
     def names(self, layer: int) -> list[str]:
-        """Names of the pool's arrays: latent.0; quantized also latent_scales.0, latent_biases.0."""
-        suffixes = ("",) if self.bits is None else ("", "_scales", "_biases")
-        return [f"latent{suffix}.{layer}" for suffix in suffixes]
+        """Names of the pool's arrays: latent.0; quantized also latent_scales.0, latent_biases.0 (latent_rotated.0,
+        ... when stored rotated)."""
+        return self._names(("latent_rotated" if self.rotated else "latent",), layer)
 
     def update_and_fetch(self, kv_latent, k_pe):
         """Write each row's ``[kv_latent | k_pe]``. Rows get back the latent and, for ``k_pe``, an identity:

@@ -1,7 +1,8 @@
 """The block file format: one full KV block as a safetensors file, and every check a file must pass.
 
 A block file holds the pool arrays' rows of one block, named as ``ModelRunner.block_layout``
-names them (k.0, v.0, k.1, ...; an MLA layer latent.0; quantized rows add k_scales.0, k_biases.0, ...), the
+names them (k.0, v.0, k.1, ...; an MLA layer latent.0; quantized rows add k_scales.0, k_biases.0, ..., and
+keys stored rotated are k_rotated.0, ...), the
 block's token ids (int64), and string metadata:
 format name and version, model id, chain hash, and a checksum over the token ids and
 K/V bytes. numpy has no bfloat16, so bfloat16 K/V is stored as its raw 16 bits (uint16).
