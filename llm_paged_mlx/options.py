@@ -56,7 +56,8 @@ class PagedOptions(BaseModel):
         None, gt=0, le=1, description="With kv_budget auto: the share of the device's memory to use in all (default 0.9)"
     )
     kv_bits: Optional[Literal[8, 4]] = Field(
-        None, description="Store the KV cache quantized in 8 or 4 bits: about 1.9x or 3.5x the context in the same memory"
+        None, description="Store the KV cache quantized in 8 or 4 bits: about 1.9x or 3.5x the context in the same memory "
+        "(greedy answers may then differ slightly between a cached and an uncached prompt)"
     )
     kv_group_size: Optional[Literal[32, 64, 128]] = Field(
         None, description="Values per scale and bias of a quantized KV cache (default 64)"
