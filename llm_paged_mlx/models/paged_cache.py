@@ -74,9 +74,9 @@ class PagedLayerCache:
 
     # Two ways quantized pools are made more faithful than mlx-lm's cache, at a price in determinism:
     # prefill chunks attend to their own tokens' K/V as written, before quantization, as a prompt does in
-    # mlx-lm's cache, so a request's tokens depend on where the steps cut its prompt; and rows are stored
-    # rotated (quantized.rotate), whose matrix product rounds a row alike only within one batch size.
-    # Both off, quantized K/V are mx.quantize's of each row, and every key is read from the pool.
+    # mlx-lm's cache, so a request's tokens depend on where the steps cut its prompt; and keys (MLA: latent
+    # rows) are stored rotated (quantized.rotate), whose matrix product rounds a key alike only within one
+    # batch size. Both off, quantized K/V are mx.quantize's of each row, and every key is read from the pool.
     prompts_attend_unquantized = True
     rotates_quantized_rows = True
 
