@@ -16,9 +16,9 @@ step, medians over ``--steps`` steady steps after a warm-up:
 - step: one call of ``Engine.step``, all of it.
 
 The same split for mlx-lm at one stream: a bare greedy loop over its model and ``KVCache`` in
-``generate_step``'s order (its model call, ``async_eval``, reading a token), its time per token; the engine at one stream with each step waited for before the
-next is built; and on a small pool, the engine's order against launching the next step before the one in
-flight is read. ``--kernel-profile ROWS`` lists the GPU kernels of the engine's steps instead.
+``generate_step``'s order (its model call, ``async_eval``, reading a token), its time per token. Then
+the engine at one stream with each step waited for before the next is built; and on a small pool, the
+engine's order against launching the next step before the one in flight is read. ``--kernel-profile ROWS`` lists the GPU kernels of the engine's steps instead.
 The budget a step has is the device's time: whatever host work is not hidden behind it is lost.
 """
 
@@ -26,8 +26,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from collections import defaultdict
+from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -95,15 +95,15 @@ def engine_profile(model, prompts, steps: int) -> dict[str, float]:
     return timer.medians_ms(skip=len(timer.steps) - steps)
 
 
-def engine_device_ms(model, prompt, steps: int) -> float:
-    """One stream's step launched and waited for alone: the device's time, and the launch it cannot hide."""
-    engine = Engine(model, kv_budget_bytes=4 * 2**30, enable_prefix_caching=False)
+def one_stream_ms(engine, prompt, steps: int, wait_each: bool = False) -> float:
+    """The median of ``steps`` steady steps of one request on ``engine`` (``wait_each``: each waited for)."""
     engine.add_request(prompt, SamplingParams(max_tokens=steps + 40, ignore_eos=True))
     times = []
     while engine.has_unfinished():
         start = time.perf_counter()
         engine.step()
-        mx.synchronize()
+        if wait_each:
+            mx.synchronize()
         times.append(time.perf_counter() - start)
     return 1000 * statistics.median(times[-steps - 5 : -5])
 
@@ -134,18 +134,12 @@ def launch_before_read_ms(model, prompt, steps: int, launch_first: bool) -> floa
 
     if launch_first:
         engine._run_ahead = run_ahead
-    engine.add_request(prompt, SamplingParams(max_tokens=steps + 40, ignore_eos=True))
-    times = []
-    while engine.has_unfinished():
-        start = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times[-steps - 5 : -5])
+    return one_stream_ms(engine, prompt, steps)
 
 
 def mlx_lm_profile(model, prompt, steps: int) -> dict[str, float]:
-    """mlx-lm's generate_step loop, greedy, split as its code runs: the next token's graph is built and
-    launched before the current one is read."""
+    """A bare greedy loop over mlx-lm's model and cache in ``generate_step``'s order (the next token's graph
+    built and launched before the current one is read), split into those parts."""
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
     token = mx.argmax(logits, axis=-1)
@@ -220,7 +214,8 @@ def main():
         cells = [f"{ours[p]:.2f}" for p in PARTS]
         print(f"| engine | {rows} | {' | '.join(cells)} | {ours['step']:.2f} | {rows * 1000 / ours['step']:.0f} |",
               flush=True)
-    alone = engine_device_ms(model, prompt, args.steps)
+    alone = one_stream_ms(Engine(model, kv_budget_bytes=4 * 2**30, enable_prefix_caching=False), prompt,
+                          args.steps, wait_each=True)
     print(f"\nengine, one stream, each step waited for before the next is built: {alone:.2f} ms a step")
     for launch_first in (False, True, False, True):
         ms = launch_before_read_ms(model, prompt, args.steps, launch_first)
