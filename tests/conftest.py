@@ -33,3 +33,15 @@ def kv_read_from_pool(monkeypatch):
     from llm_paged_mlx.models.paged_cache import PagedLayerCache
 
     monkeypatch.setattr(PagedLayerCache, "prompts_attend_unquantized", False)
+
+
+@pytest.fixture(params=["read first", "launched ahead"])
+def decode_launch(request, monkeypatch):
+    """Both ways steady decoding launches a step built ahead: after reading the step in flight (scatter
+    writes), or before (where K/V writes are in place, as on CUDA; here over scatters, which copy a pool
+    that a step in flight holds but give the same values)."""
+    from llm_paged_mlx.engine.runner import ModelRunner
+
+    if request.param == "launched ahead":
+        monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: True))
+    return request.param

@@ -267,7 +267,7 @@ def test_interleaved_streams_share_steps_without_losing_chunks():
     assert engine.stats()["free_blocks"] == 31 and not engine.outbox
 
 
-def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch):
+def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     """Steady decoding builds each step on the last one's unread tokens. A request that stops or is
     aborted while a step runs ahead for it loses nothing of its own and takes nothing from others."""
     ahead = []
@@ -292,7 +292,7 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch):
     assert outputs[ids[3]] == full[3][: len(outputs[ids[3]])]
     assert len(ahead) > 10
     engine.step()  # reads whatever ran ahead for the finished requests
-    assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None
+    assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None and engine._unread is None
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
@@ -324,6 +324,38 @@ def test_an_interrupt_while_a_step_is_read_loses_nothing(monkeypatch, run_ahead)
     while engine.has_unfinished():
         collect(engine.step(), outputs)
     assert [outputs[i] for i in ids] == [reference(model, p, 12) for p in prompts[: len(ids)]]
+    engine.step()
+    assert engine.stats()["free_blocks"] == 39
+
+
+def test_an_interrupt_while_reading_a_step_behind_one_launched_ahead_loses_nothing(monkeypatch, decode_launch):
+    """Where a step is launched before the one in flight is read, Ctrl-C in that read leaves the step read
+    at the next call, before anything else; every request still gets mlx-lm's tokens."""
+    model = tiny_model("llama")
+    prompts = random_prompts([14, 31, 9], seed=13)
+    engine = Engine(model, num_blocks=40)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=12)) for p in prompts]
+    outputs = {}
+    for _ in range(5):
+        collect(engine.step(), outputs)
+    wait, waits = Engine._wait, []
+
+    def interrupted(self, launched, *args, **kwargs):
+        waits.append(launched)
+        if len(waits) == 1:
+            raise KeyboardInterrupt
+        return wait(self, launched, *args, **kwargs)
+
+    monkeypatch.setattr(Engine, "_wait", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.step()
+    if decode_launch == "launched ahead":
+        assert engine._unread is waits[0] and engine._in_flight is not waits[0]
+    collect(engine.step(), outputs)
+    assert waits[1] is waits[0]  # the interrupted read first
+    while engine.has_unfinished():
+        collect(engine.step(), outputs)
+    assert [outputs[i] for i in ids] == [reference(model, p, 12) for p in prompts]
     engine.step()
     assert engine.stats()["free_blocks"] == 39
 

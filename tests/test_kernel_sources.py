@@ -13,6 +13,7 @@ from llm_paged_mlx.kernels.dialect import (
     LATENT_TEMPLATE,
     METAL,
     TEMPLATE,
+    WRITE_TEMPLATE,
     read_template,
     render,
     split_kernels,
@@ -33,11 +34,18 @@ def strip_dialect(body: str, dialect) -> str:
     return body[len(dialect.prelude) :]
 
 
-@pytest.mark.parametrize("name,tiles", [(TEMPLATE, False), (LATENT_TEMPLATE, True)])
-def test_both_dialects_render_the_same_algorithm(name, tiles):
+@pytest.mark.parametrize(
+    "name,tiles,names",
+    [
+        (TEMPLATE, False, {"partition", "reduce"}),
+        (LATENT_TEMPLATE, True, {"partition"}),
+        (WRITE_TEMPLATE, False, {"write_rows"}),
+    ],
+)
+def test_both_dialects_render_the_same_algorithm(name, tiles, names):
     template = read_template(name)
     kernels = split_kernels(template)
-    assert set(kernels) == ({"partition"} if tiles else {"partition", "reduce"})
+    assert set(kernels) == names
     metal, cuda = render(template, METAL, tiles=tiles), render(template, CUDA, tiles=tiles)
     for name, algorithm in kernels.items():
         metal_body = strip_dialect(metal[name][1], METAL)
@@ -48,7 +56,7 @@ def test_both_dialects_render_the_same_algorithm(name, tiles):
         assert (f"#define PA_TILE {METAL.tile}\n" in metal[name][0]) == tiles
 
 
-@pytest.mark.parametrize("name", [TEMPLATE, LATENT_TEMPLATE])
+@pytest.mark.parametrize("name", [TEMPLATE, LATENT_TEMPLATE, WRITE_TEMPLATE])
 def test_template_code_has_no_language_specific_words(name):
     for kernel, body in split_kernels(read_template(name)).items():
         code = re.sub(r"//.*", "", body)
@@ -62,8 +70,8 @@ def test_dialects_define_the_names_templates_use():
 
     header = kernel_sources(read_template(), CUDA, 4, 64)["partition"].header
     variant = set(re.findall(r"#define (PA_\w+)", header)) - names(CUDA)
-    assert variant == {"PA_BITS", "PA_GROUP"}
-    for name in (TEMPLATE, LATENT_TEMPLATE):
+    assert variant == {"PA_BITS", "PA_GROUP", "PA_NEW"}
+    for name in (TEMPLATE, LATENT_TEMPLATE, WRITE_TEMPLATE):
         used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template(name)).values())))
         assert used <= (names(CUDA) & names(METAL)) | variant
     assert set(DIALECTS) == {"cuda", "metal"}
@@ -104,21 +112,24 @@ def test_latent_kernel_supports_what_its_tiles_and_threadgroup_memory_allow():
 def test_variants_render_one_algorithm_with_their_own_names_inputs_and_macros(dialect):
     template = read_template()
     algorithm = split_kernels(template)
-    sources = {v: kernel_sources(template, dialect, *v) for v in VARIANTS}
+    variants = [(bits, group, False) for bits, group in VARIANTS] + [(None, None, True)]
+    sources = {v: kernel_sources(template, dialect, *v) for v in variants}
     names = [s["partition"].name for s in sources.values()]
     assert len(set(names)) == len(names)  # MLX caches kernels by name
     assert len({s["reduce"].name for s in sources.values()}) == 1  # the reduce pass is the same for all
-    for (bits, group), kernels in sources.items():
+    for (bits, group, new), kernels in sources.items():
         partition = kernels["partition"]
         assert partition.source == dialect.prelude + algorithm["partition"]
-        assert partition.header.startswith(f"#define PA_BITS {bits or 0}\n#define PA_GROUP {group or 0}\n")
+        macros = f"#define PA_BITS {bits or 0}\n#define PA_GROUP {group or 0}\n#define PA_NEW {int(new)}\n"
+        assert partition.header.startswith(macros)
         assert partition.header.endswith(dialect.header)
-        pools = QUANTIZED_POOLS if bits else ["k_pool", "v_pool"]
+        pools = QUANTIZED_POOLS if bits else ["k_pool", "v_pool"] + (["new_k", "new_v"] if new else [])
         tail = ["block_tables", "context_lens", "table_starts", "sinks", "params"]
         assert partition.input_names == ["queries", *pools, *tail]
         assert partition.output_names == ["part_out", "part_m", "part_l"]
         if bits:
             assert f"_q{bits}g{group}_" in partition.name
+        assert ("_new_" in partition.name) == new
         for name in partition.input_names:  # every input is read by the body
             assert re.search(rf"\b{name}\b", partition.source), name
 
@@ -271,3 +282,11 @@ def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep,
         masking = dict(window=window, sinks=sinks, softcap=softcap)
         error = kernel.check_error(dtype, dim, block_size, rep, bits=bits, group_size=64, **masking)
     assert error <= {mx.float32: 1e-4 if bits else 1e-5, mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]
+
+
+def test_only_the_cuda_kernels_write_k_v_in_place():
+    """On Metal, MLX orders command buffers by the arrays kernels give, which a pool written in place is not:
+    the Metal kernels leave the writes to MLX's scatter."""
+    assert CudaKernel.in_place_writes and not MetalKernel.in_place_writes
+    args = [None] * 8
+    assert MetalKernel().write_and_attend(*args, scale=1.0) is None

@@ -8,11 +8,17 @@ import warnings
 import mlx.core as mx
 import numpy as np
 import pytest
+from models import tiny_model
+from test_engine import random_prompts
+from test_engine import reference as mlx_lm_tokens
 from test_kernels import make_case, make_plan, reference, rel_error
 
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import select_kernel
-from llm_paged_mlx.kernels.dialect import read_template
+from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
 
@@ -256,7 +262,8 @@ def test_self_check_passes_for_quantized_pools(bits, group_size):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert kernel.usable(dtype, pool, pool, 32)
-        assert (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size, None, False, False) in kernel._checked
+        key = (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size, None, False, False, False)
+        assert key in kernel._checked
 
 
 def test_broken_quantized_source_falls_back_for_quantized_pools_only():
@@ -386,3 +393,116 @@ def test_broken_latent_source_fails_the_self_check_and_falls_back(broken, messag
     want = reference(q_np, pool_np, pool_np, row_tables, row_lens, 0.1)[..., :512]
     assert rel_error(out, want) <= LIMIT[mx.bfloat16]
     assert list(kernel.latent._checked.values()) == [False]
+
+
+# -- K/V written in place -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float16, mx.float32])
+def test_in_place_write_passes_its_self_check(dtype):
+    writes = CudaKernel().writes
+    assert writes.check_error(dtype, dtype) == 0.0
+    assert writes.check_error(dtype, mx.float32) == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert writes.usable(dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype,dim,block_size,rep,window,sinks", [
+    (mx.bfloat16, 128, 16, 4, None, False), (mx.float32, 64, 32, 1, None, False), (mx.float16, 128, 16, 8, None, False),
+    (mx.bfloat16, 128, 16, 12, None, False), (mx.bfloat16, 64, 16, 2, 100, True),
+])  # fmt: skip
+def test_decode_kernel_reads_and_writes_the_rows_own_k_v(dtype, dim, block_size, rep, window, sinks):
+    """The rows' own slots are NaN in the pools: the kernel reads their K/V as given and writes them there."""
+    kernel = CudaKernel()
+    for one in (False, True):
+        error = kernel.check_error(dtype, dim, block_size, rep, one_partition=one, window=window, sinks=sinks, new=True)
+        assert error <= LIMIT[dtype]
+    assert kernel.usable(dtype, mx.zeros((2, 2, block_size, dim), dtype), mx.zeros((2, 2, block_size, dim), dtype),
+                         2 * rep, window, sinks, new=True)  # fmt: skip
+
+
+def test_a_decode_kernel_that_does_not_write_the_rows_own_k_v_falls_back():
+    template = read_template()
+    line = "    PA_WRITABLE(T, v_pool)[slot_at + i] = new_v[own_at + i];\n"
+    assert line in template
+    kernel = CudaKernel(template=template.replace(line, ""))
+    pools = [mx.zeros((2, 2, 16, 64), mx.bfloat16)] * 2
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        assert not kernel.usable(mx.bfloat16, *pools, 4, new=True)
+    assert kernel.usable(mx.bfloat16, *pools, 4)  # the other configurations stand
+
+
+@pytest.mark.parametrize(
+    "broken,message",
+    [(("index[i / dk]", "index[0]"), "disagrees"), (("const pa_index_t dv", "const pa_index_t dv ="), "failed")],
+)
+def test_a_broken_in_place_write_fails_its_self_check(broken, message):
+    template = read_template(WRITE_TEMPLATE)
+    assert broken[0] in template
+    writes = InPlaceWrites(CUDA, template=template.replace(*broken))
+    with pytest.warns(RuntimeWarning, match=message):
+        assert not writes.usable(mx.bfloat16, mx.bfloat16)
+
+
+def _decode_peak(engine, prompt, steps):
+    """Peak memory above the pools' while ``engine`` decodes ``prompt`` for ``steps`` tokens (after a warm-up),
+    each step's pools held until the next is launched, as a GPU backend holds them while a step runs (a
+    tiny model's steps end before the host has built the next)."""
+    held, launch = [], engine.runner.launch
+
+    def launch_holding(*outputs):
+        launch(*outputs)
+        held[:] = engine.runner.pools()
+
+    engine.runner.launch = launch_holding
+    request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8))
+    for _ in range(8):
+        engine.step()
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    while engine.has_unfinished():
+        engine.step()
+    assert request not in engine.requests
+    return mx.get_peak_memory() - before
+
+
+def test_decode_steps_launched_ahead_write_the_pools_in_place(monkeypatch):
+    """With in-place writes, a step launched while the one before it runs copies no pool; with scatter
+    writes (``write_and_attend`` declining) the same launches copy one, which the measure sees."""
+    launched = []
+    launch_ahead = Engine._launch_ahead
+    monkeypatch.setattr(Engine, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
+    model = tiny_model("llama")
+    engine = Engine(model, num_blocks=4096)  # a pool array of 16 MiB
+    array_bytes = engine.runner.pools()[0].nbytes
+    in_place = _decode_peak(engine, random_prompts([20], seed=4)[0], 40)
+    assert engine.runner.writes_in_place
+    assert len(launched) >= 40 and in_place < array_bytes / 4
+    monkeypatch.setattr(CudaKernel, "write_and_attend", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: True))  # launched ahead all the same
+    engine = Engine(model, num_blocks=4096)
+    assert _decode_peak(engine, random_prompts([20], seed=4)[0], 40) >= array_bytes
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_in_place_writes_and_steps_launched_ahead_give_the_tokens_of_scatter_writes(arch, dtype, monkeypatch):
+    """Token for token what the engine gives with MLX's scatter writes, each step read before the next is
+    launched; and, in float32, mlx-lm's tokens (but where the fused kernel's rounding, not the writes,
+    flips a near tie: each request's tokens agree with mlx-lm's at least up to 30)."""
+    model = tiny_model(arch)
+    model.set_dtype(dtype)
+    prompts = random_prompts([12, 30, 45, 20, 1, 100, 17], seed=3)
+    params = [SamplingParams(max_tokens=30 + 3 * i) for i in range(len(prompts))]
+    engine = Engine(model, num_blocks=64)
+    in_place = [o.token_ids for o in engine.generate(prompts, params)]
+    assert engine.runner.writes_in_place and engine.stats()["free_blocks"] == 63
+    monkeypatch.setattr(CudaKernel, "write_and_attend", lambda self, *args, **kwargs: None)
+    monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: False))
+    assert in_place == [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
+    if dtype == mx.float32:
+        expected = [mlx_lm_tokens(model, p, q.max_tokens) for p, q in zip(prompts, params)]
+        assert all(got[:30] == want[:30] for got, want in zip(in_place, expected))
+        assert sum(got == want for got, want in zip(in_place, expected)) >= len(prompts) - 1

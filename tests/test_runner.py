@@ -3,7 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
-from models import tiny_model
+from models import tiny_any, tiny_model
 from test_engine import collect, random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -182,3 +182,30 @@ def test_a_rollback_writes_back_the_protected_blocks(compile_steps):
     runner.forward([ScheduledChunk(request, len(prompt), [list(range(16, 16 + len(prompt)))])])
     runner.rollback()
     assert all(np.array_equal(np.array(pool), old) for pool, old in zip(runner.pools(), before))
+
+
+def test_kernels_write_in_place_only_in_compiled_steps_whose_layers_own_their_pools(monkeypatch):
+    """Where a kernel says it writes K/V in place (CUDA's), the runner lets it only in compiled steps of rows,
+    and only where no two layers share pool arrays: a scatter after an in-place write of the same pool in one
+    step would be ordered by values only. (Here a kernel that records the plans and declines, so MLX's scatter
+    writes: the same tokens.)"""
+    plans = []
+
+    def declining(self, queries, k_flat, v_flat, index, keys, values, plan, *args, **kwargs):
+        plans.append(plan)
+
+    monkeypatch.setattr(PortableKernel, "in_place_writes", True, raising=False)
+    monkeypatch.setattr(PortableKernel, "write_and_attend", declining, raising=False)
+    monkeypatch.setattr(PortableKernel, "prefill_as_rows", lambda self, tokens, context: True, raising=False)
+    model = tiny_model("llama")
+    prompts = random_prompts([3, 20, 40], seed=9)
+    engine = Engine(model, num_blocks=64)
+    got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_tokens=12))]
+    assert got == [reference(model, p, 12) for p in prompts]
+    assert plans and all(p.in_place for p in plans)
+    assert {p.one_token_per_sequence for p in plans} == {True, False}  # decode steps, and prompts as rows
+    assert not engine.runner.writes_in_place  # the kernel declined: decode steps are not launched ahead
+    plans.clear()
+    shared = tiny_any("gemma3_text", sliding_window=16)  # a window layer and a full one share pool arrays
+    Engine(shared, num_blocks=64).generate(prompts, SamplingParams(max_tokens=4))
+    assert plans == []

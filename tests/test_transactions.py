@@ -63,8 +63,8 @@ def test_a_failed_step_is_undone_and_every_request_gets_mlx_lm_s_tokens(stage, m
 
 def test_an_interrupted_wait_is_undone_and_read_again(monkeypatch):
     model, prompts, expected = workload()
+    engine = small_engine(model)  # first: building an engine may synchronize (the model check)
     injector = Injector(monkeypatch, engine_module.mx, "synchronize", [3, 10, 11, 40], KeyboardInterrupt)
-    engine = small_engine(model)
     got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (KeyboardInterrupt,))
     assert injector.failures == 4
     assert got == expected
@@ -143,7 +143,7 @@ def test_a_failing_discard_of_a_swap_policy_loses_nothing(monkeypatch):
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
 
 
-def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch):
+def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch, decode_launch):
     """Real SIGINTs, raised at random points all through the engine's step, while the caller keeps stepping."""
     model, prompts, expected = workload()
     engine = small_engine(model)

@@ -269,6 +269,7 @@ class Engine:
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
         self._in_flight: Optional[_Built] = None  # a step launched on the device, its tokens not yet read
+        self._unread: Optional[_Built] = None  # a step before _in_flight, not read yet (see _launch_ahead)
         self._out_of_step: Optional[RuntimeError] = None  # a tensor-parallel rank whose launched step failed
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
         self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
@@ -395,6 +396,8 @@ class Engine:
         if self._out_of_step is not None:
             raise self._out_of_step
         try:
+            if self._unread is not None:  # reading it was interrupted, after the step built on it was launched
+                self._read(self._unread)
             launched = self._in_flight
             if launched is not None:
                 if self._can_run_ahead(launched):  # the next step is built before this one is read
@@ -445,7 +448,7 @@ class Engine:
         Copies kept by the swap policy and the disk tier came from steps that
         ended, and stay.
         """
-        self._in_flight = None
+        self._in_flight = self._unread = None
         self.scheduler.start_over()
         self.blocks.forget_cached()
         self.runner.reset_pools()
@@ -574,17 +577,20 @@ class Engine:
         except BaseException as e:  # Ctrl-C too: a step launched in part is not one to wait for
             raise _LaunchedStepFailed() from e
 
-    def _wait(self, launched: _Built) -> tuple[list[int], dict[int, TokenLogprob]]:
+    def _wait(self, launched: _Built, synchronize: bool = True) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Wait for a launched step to end; its sampled tokens, and their log-probabilities by row for the
         requests that asked for them. Nothing changes if it is interrupted.
 
         A GPU backend holds a step's input buffers until its completion handler
         runs, shortly after the step ends; a pool still held then would make the
-        next step's writes copy it. Synchronizing waits for the handler too.
+        next step's scatter writes copy it. Synchronizing waits for the handler
+        too, and for any step launched after this one: without ``synchronize``,
+        only this step's outputs are waited for.
         """
         with self._interrupts.allowed():
             try:
-                mx.synchronize()
+                if synchronize:
+                    mx.synchronize()
                 tokens = launched.tokens.tolist() if launched.sampled else []
                 return tokens, self._read_logprobs(launched, tokens)
             except Exception as e:
@@ -644,26 +650,18 @@ class Engine:
         """Build the next decode step on the launched step's tokens (unread), read those, launch it.
 
         Reading before launching lets the launched step's graph go, so the next
-        step writes the K/V pools in place; the host built it meanwhile. If the
-        wait is interrupted, the step built ahead is undone and the next call
-        reads the launched step again.
+        step's scatter writes the K/V pools in place; the host built it
+        meanwhile. If the wait is interrupted, the step built ahead is undone
+        and the next call reads the launched step again. Where the pools are
+        written in place anyway, the step is launched first (``_launch_ahead``).
         """
+        if self.runner.writes_in_place and not launched.constrained:
+            self._launch_ahead(launched)
+            return
         read: list[tuple] = []  # the launched step's tokens and log-probabilities, once waited for
 
         def plan_and_wait(handles: _SwapHandles) -> _Built:
-            for request in launched.sampled:
-                request.output_token_ids.append(-1)  # stands for the token being computed
-            try:
-                plan = self.scheduler.schedule()
-                assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
-                self._protect(plan)
-                self._copy_blocks()
-                index = {id(r): i for i, r in enumerate(launched.sampled)}
-                rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
-                ahead = self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
-            finally:
-                for request in launched.sampled:
-                    request.output_token_ids.pop()  # _apply appends the real token (or stops)
+            ahead = self._build_ahead(launched)
             read.append(self._wait(launched))
             return ahead
 
@@ -671,6 +669,37 @@ class Engine:
         self._in_flight = None
         self._apply(launched, *read[0])
         self._launch(ahead)
+
+    def _launch_ahead(self, launched: _Built) -> None:
+        """Build the next decode step on the launched step's tokens, launch it, then read those tokens: the
+        device has the next step queued before it ends the one it runs. (Constrained steps cannot: their
+        masks follow the tokens read.) If the wait is interrupted, the next call reads the step first."""
+        ahead = self._transaction(lambda handles: self._build_ahead(launched))
+        self._launch(ahead)
+        self._unread = launched
+        self._read(launched)
+
+    def _read(self, launched: _Built) -> None:
+        """Wait for a step that another launched step follows, and hand out its tokens."""
+        read = self._wait(launched, synchronize=False)
+        self._unread = None
+        self._apply(launched, *read)
+
+    def _build_ahead(self, launched: _Built) -> _Built:
+        """The next decode step, built on the launched step's tokens before they are read."""
+        for request in launched.sampled:
+            request.output_token_ids.append(-1)  # stands for the token being computed
+        try:
+            plan = self.scheduler.schedule()
+            assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
+            self._protect(plan)
+            self._copy_blocks()
+            index = {id(r): i for i, r in enumerate(launched.sampled)}
+            rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
+            return self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
+        finally:
+            for request in launched.sampled:
+                request.output_token_ids.pop()  # _apply appends the real token (or stops)
 
     def _discard(self, handle) -> None:
         """Release what the swap policy kept for a request that will not be swapped in."""

@@ -108,11 +108,15 @@ class ModelRunner:
         self.split = projects_sampled_rows_only(model)
         self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
         self._compiled_rows = None
-        self._traced_shapes: set[tuple[int, int]] = set()
+        self._traced_shapes: set[tuple[int, int, bool, bool]] = set()
         self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
         latent = [layout for layout in self.layouts if layout.latent]
         self._latent = latent_shape(model, latent[0].dtype) if latent else None
         self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
+        # Compiled steps may write K/V in place where each layer owns its pools (AttentionPlan.in_place);
+        # until such a step is launched, the pools it took (for rollback).
+        self._in_place = len(self._owners) == len(self.caches) and getattr(kernel, "in_place_writes", False)
+        self._pools_before: Optional[list[mx.array]] = None
 
     def with_pools(self, num_blocks: int) -> "ModelRunner":
         """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
@@ -123,6 +127,12 @@ class ModelRunner:
     @property
     def num_blocks(self) -> int:
         return self.caches[0].shape[0]
+
+    @property
+    def writes_in_place(self) -> bool:
+        """Whether decode steps write K/V into the pools in place (as the last one traced did, every layer):
+        then a step launched while another runs copies no pool."""
+        return self._in_place and bool(self.caches) and all(c.decodes_in_place for c in self.caches)
 
     def pools(self) -> list[mx.array]:
         return [a for c in self._owners for a in c.arrays]
@@ -161,6 +171,7 @@ class ModelRunner:
 
     def begin(self) -> None:
         self._kept = []
+        self._pools_before = None
         self.states.begin()
 
     def protect(self, blocks: list[int]) -> None:
@@ -171,16 +182,20 @@ class ModelRunner:
             self._kept.append((blocks, data))
 
     def commit(self) -> None:
-        self._kept = None
+        self._kept = self._pools_before = None
         self.states.commit()
 
     def rollback(self) -> None:
-        """Write back what ``protect`` kept. What else the step wrote stays, in slots no one reads."""
+        """Write back what ``protect`` kept. What else the step wrote stays, in slots no one reads; writes
+        in place that were not launched are dropped (they would run unordered within a later step)."""
+        if self._pools_before is not None:
+            self._set_pools(self._pools_before)
         for blocks, data in reversed(self._kept):
             self._write(blocks, data)
-        self._kept = None
+        self._kept = self._pools_before = None
         for cache in self.caches:
             cache.plan = None
+            cache.drop_pending()
         self.states.rollback()
 
     def _set_pools(self, pools: list[mx.array]) -> None:
@@ -197,7 +212,8 @@ class ModelRunner:
             cache.copy_blocks(copies)
 
     def read_blocks(self, blocks: list[int]) -> list[mx.array]:
-        """The pool arrays' rows of the given blocks (lazy copies), in ``block_layout`` order."""
+        """The pool arrays' rows of the given blocks (lazy copies), in ``block_layout`` order. Evaluate them
+        before the next step is launched: on CUDA steps write the pools in place."""
         out = []
         for cache in self._owners:
             rows = cache.block_rows(blocks)
@@ -254,7 +270,15 @@ class ModelRunner:
         group of layers."""
         for cache, group in zip(self.caches, self.groups.layer_groups):
             cache.plan = plans[group]
-        return (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
+        try:
+            out = (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
+        except BaseException:
+            for cache in self.caches:  # rows of a failed call (or of a failed trace's placeholders)
+                cache.drop_pending()
+            raise
+        for cache in self.caches:  # K/V rows a layer did not attend with: a write must not be lost
+            cache.write_pending()
+        return out
 
     def _as_rows(self, chunk: ScheduledChunk) -> bool:
         """Whether the chunk's tokens can be served as single-query rows (not if it attends to its own K/V
@@ -285,20 +309,26 @@ class ModelRunner:
             min(new, self.chunk_tokens), prompt, PREFILL_ATTENTION_BYTES
         )
 
-    def _rows_body(self, tokens, positions, slots, block_tables, context_lens, pools, states):
+    def _rows_body(self, decode: bool, in_place: bool, tokens, positions, slots, block_tables, context_lens, pools,
+                   states):  # fmt: skip
         """The traced step: every row one query; takes and returns the pools and the rows' recurrent state.
-        ``slots`` and ``block_tables``: one per group of layers."""
+        ``decode``: every row is its sequence's one new token; ``in_place``: see ``AttentionPlan``; ``slots``
+        and ``block_tables``: one per group of layers."""
         self._set_pools(pools)
         rows = tokens.shape[0]
         plans = [
-            AttentionPlan(self.block_size, positions, s, rows, tables, context_lens)
+            AttentionPlan(
+                self.block_size, positions, s, rows, tables, context_lens, one_token_per_sequence=decode,
+                in_place=in_place,
+            )
             for s, tables in zip(slots, block_tables)
         ]
         self.states.bind_flat(states)
         hidden = self._body(tokens[:, None], plans)
         return hidden, self.pools(), self.states.unbind_flat()
 
-    def _forward_rows(self, chunks, input_tokens) -> mx.array:
+    def _forward_rows(self, chunks, input_tokens, in_place: bool = True) -> mx.array:
+        """``in_place``: unless other calls of the step write the same pools (see ``AttentionPlan.in_place``)."""
         num_rows = sum(c.num_tokens for c in chunks)
         width = max(len(c.request.blocks.table) for c in chunks)
         rows, width = padded_size(num_rows), padded_size(width)
@@ -325,7 +355,8 @@ class ModelRunner:
         arrays = [padded, mx.array(positions), slot_arrays, table_arrays, mx.array(positions + 1)]
         pools = self.pools()
         states = self.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
-        shape = (rows, width)
+        in_place = in_place and self._in_place
+        shape = (rows, width, all(c.num_tokens == 1 for c in chunks), in_place)
         traced = shape in self._traced_shapes
         try:
             hidden, new_pools, new_states = self._compiled_for(shape)(*arrays, pools, states)
@@ -345,16 +376,22 @@ class ModelRunner:
             warnings.warn(f"steps of this model cannot be compiled ({e}); running them eagerly", RuntimeWarning, stacklevel=2)
             return hidden
         self._set_pools(new_pools)
+        if in_place:
+            self._pools_before = pools
         self.states.keep_flat([c.request.request_id for c in chunks], new_states)
         return hidden
 
-    def _compiled_for(self, shape: tuple[int, int]):
+    def _compiled_for(self, shape: tuple[int, int, bool, bool]):
+        """The compiled step for ``(rows, table width, decode, in_place)`` (see ``_rows_body``)."""
         if shape not in self._traced_shapes:
             if self._compiled_rows is None or len(self._traced_shapes) >= MAX_TRACED_SHAPES:
-                self._compiled_rows = mx.compile(self._rows_body)  # a new function: the old traces go
+                self._compiled_rows = {}  # new functions: the old traces go
                 self._traced_shapes.clear()
             self._traced_shapes.add(shape)
-        return self._compiled_rows
+        kind = shape[2:]
+        if kind not in self._compiled_rows:
+            self._compiled_rows[kind] = mx.compile(functools.partial(self._rows_body, *kind))
+        return self._compiled_rows[kind]
 
     def _forward_calls(self, chunks, input_tokens) -> mx.array:
         """A step with chunks to run as sequences (``_as_sequence``): the other chunks as rows of one call
@@ -364,7 +401,7 @@ class ModelRunner:
         in_rows = [c for c, sequence in zip(chunks, as_sequence) if not sequence]
         parts, calls = {}, []  # each chunk's hidden rows
         if in_rows and self.compile_steps and all(c.num_tokens == 1 for c in in_rows):
-            hidden = self._forward_rows(in_rows, input_tokens)
+            hidden = self._forward_rows(in_rows, input_tokens, in_place=False)  # the sequences write the pools too
             parts.update((id(c), hidden[i : i + 1]) for i, c in enumerate(in_rows))
         elif in_rows:
             calls.append((in_rows, functools.partial(self._forward_eager, in_rows, input_tokens)))
@@ -473,7 +510,7 @@ class ModelRunner:
         plans = [
             AttentionPlan(
                 self.block_size, positions, mx.array(slots[g], dtype=mx.int32), len(decode),
-                mx.array(decode_tables[g]), lens, prefills[g],
+                mx.array(decode_tables[g]), lens, prefills[g], one_token_per_sequence=not prefills[g],
             )
             for g in groups
         ]  # fmt: skip

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 TEMPLATE = "paged_attention.in"
 LATENT_TEMPLATE = "latent_attention.in"
+WRITE_TEMPLATE = "write_rows.in"
 _KERNEL_MARK = re.compile(r"^// @kernel (\w+)\n", re.MULTILINE)
 
 
@@ -52,6 +53,7 @@ CUDA = Dialect(
 #define PA_MAX(a, b) fmaxf((a), (b))
 #define PA_TANH(x) tanhf(x)
 #define PA_UNROLL _Pragma("unroll")
+#define PA_WRITABLE(T, p) const_cast<T*>(p)
 typedef long long pa_index_t;
 
 // N elements starting at src (16-byte aligned) as floats, in 16-byte loads.
@@ -221,6 +223,7 @@ METAL = Dialect(
 #define PA_MAX(a, b) metal::max((a), (b))
 #define PA_TANH(x) metal::precise::tanh(x)
 #define PA_UNROLL _Pragma("clang loop unroll(full)")
+#define PA_WRITABLE(T, p) const_cast<device T*>(p)
 typedef long pa_index_t;
 
 // N elements starting at src as floats.

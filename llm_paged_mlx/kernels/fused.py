@@ -23,6 +23,12 @@ differ, ...) also use the portable kernel.
 
 Multi-head latent attention (``latent_attention``) has its own fused kernel,
 from ``csrc/latent_attention.in`` (``latent.LatentKernels``).
+
+``write_and_attend`` writes a step's full-precision K/V in place: in a decode
+step, the partition kernel reads each row's own K/V as given and writes them
+into the pools itself (``PA_NEW``, self-checked as its own configuration);
+in a step whose every row is a query of these kernels, ``in_place`` writes
+them first. GPU backends otherwise copy a pool that a step in flight holds.
 """
 
 import hashlib
@@ -31,6 +37,7 @@ import mlx.core as mx
 
 from . import self_check
 from .dialect import CUDA, METAL, Dialect, KernelSource, build, read_template, render
+from .in_place import InPlaceWrites
 from .latent import LatentKernels
 from .plan import AttentionPlan, PrefillChunk, window_tables
 from .portable import PortableKernel, chunk_own_rows, decode_attention, prefill_attention
@@ -44,17 +51,22 @@ DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
 
-def kernel_sources(template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None):
+def kernel_sources(
+    template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None, new: bool = False
+):
     """``{"partition": KernelSource, "reduce": KernelSource}`` for full precision (``bits`` None) or for
-    pools quantized to ``bits`` in groups of ``group_size``. Names differ by variant and template text
-    (MLX caches compiled kernels by name)."""
-    defines = {"PA_BITS": bits or 0, "PA_GROUP": group_size if bits else 0}
+    pools quantized to ``bits`` in groups of ``group_size``; ``new``: the partition kernel takes each row's
+    own K/V and writes them (full precision only). Names differ by variant and template text (MLX caches
+    compiled kernels by name)."""
+    assert not (new and bits), "only full-precision pools take the rows' own K/V"
+    defines = {"PA_BITS": bits or 0, "PA_GROUP": group_size if bits else 0, "PA_NEW": int(new)}
     bodies = render(template, dialect, defines)
     tag = hashlib.sha1(template.encode()).hexdigest()[:12]
-    variant = f"q{bits}g{group_size}_" if bits else ""
+    variant = f"q{bits}g{group_size}_" if bits else ("new_" if new else "")
     pools = (
         ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"] if bits else ["k_pool", "v_pool"]
     )
+    pools += ["new_k", "new_v"] if new else []
     specs = {
         "partition": (f"paged_attention_partition_{variant}{tag}",
                       ["queries", *pools, "block_tables", "context_lens", "table_starts", "sinks", "params"],
@@ -88,6 +100,7 @@ class FusedKernel:
     quantized = True  # takes quantized.QuantizedPool pools
     windowed = True  # takes window and sinks
     softcapped = True  # takes softcap
+    in_place_writes = False  # write_and_attend writes K/V in place (a backend that runs its work in order)
     # A prefill chunk runs as single-query rows of the fused kernel while its
     # tokens x context length is at most this; larger chunks use the portable
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
@@ -117,6 +130,7 @@ class FusedKernel:
         self._checked: dict[tuple, bool] = {}
         self._param_arrays: dict[tuple, mx.array] = {}
         self._unused = mx.zeros((1,), mx.int32)  # stands in for table_starts and sinks where they are off
+        self.writes = InPlaceWrites(self.dialect)
 
     def __call__(
         self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float, window=None, sinks=None, softcap=None
@@ -126,11 +140,7 @@ class FusedKernel:
             return self.portable(queries, k_pool, v_pool, plan, scale, **masking)
 
         def rows(every_row: bool):
-            """Single-query rows (the decode rows, or every row), their tables narrowed to a window's reach."""
-            tables, lens = plan.row_tables() if every_row else (plan.decode_block_tables, plan.decode_context_lens)
-            starts = None
-            if window is not None:
-                tables, starts = plan.window_tables(window, every_row)
+            tables, lens, starts = self._row_tables(plan, every_row, window)
             q = queries[: lens.shape[0]]
             return self.decode(q, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts)
 
@@ -140,6 +150,39 @@ class FusedKernel:
             return prefill_attention(q, k_pool, v_pool, table, length, scale, window, sinks, softcap, own)
 
         return self._route(plan, rows, chunk, k_pool)
+
+    @staticmethod
+    def _row_tables(plan: AttentionPlan, every_row: bool, window=None):
+        """Block tables, context lengths and table starts of single-query rows (the decode rows, or every
+        row), the tables narrowed to a window's reach."""
+        tables, lens = plan.row_tables() if every_row else (plan.decode_block_tables, plan.decode_context_lens)
+        starts = None
+        if window is not None:
+            tables, starts = plan.window_tables(window, every_row)
+        return tables, lens, starts
+
+    def write_and_attend(self, queries, k_flat, v_flat, index, keys, values, plan: AttentionPlan, shape,
+                         scale: float, window=None, sinks=None, softcap=None):  # fmt: skip
+        """Write a step's K/V (``keys``, ``values``: ``(T, kv_heads, D)``, at rows ``index`` of the flat
+        pools, whose ``(blocks, kv_heads, tokens)`` rows have ``shape``) in place, and attend as ``__call__``
+        does: a decode step in one kernel that reads each row's own K/V as given and writes them, a step
+        whose every row is a query of the row kernel with ``in_place`` first. Returns the attention's
+        output, or None where this cannot be done (nothing is written: the caller writes)."""
+        if not self.in_place_writes:
+            return None
+        k_pool, v_pool = (p.reshape(*shape, -1) for p in (k_flat, v_flat))
+        masking = {"window": window, "sinks": sinks, "softcap": softcap}
+        features = (queries.dtype, k_pool, v_pool, queries.shape[1], window, sinks is not None, softcap)
+        if plan.one_token_per_sequence and self.usable(*features, new=True):
+            tables, lens, starts = self._row_tables(plan, False, window)
+            return self.decode(queries, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts,
+                               new_rows=(keys, values))  # fmt: skip
+        if plan.prefills and not self._all_rows(plan, k_pool):
+            return None
+        if not self.usable(*features) or not self.writes.usable(k_flat.dtype, queries.dtype):
+            return None
+        rows = self.writes(k_flat, v_flat, index, keys, values, queries)
+        return self(rows, k_pool, v_pool, plan, scale, **masking)
 
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
         """MLA rows (see ``kernels``): single-query rows through ``latent.LatentKernels``, other prefill
@@ -164,12 +207,16 @@ class FusedKernel:
         rows read every key from the pool."""
         if not plan.prefills:
             return rows(every_row=False)
-        own_rows = isinstance(pool, QuantizedPool) and pool.step_rows is not None
-        if not own_rows and all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills):
+        if self._all_rows(plan, pool):
             return rows(every_row=True)
         parts = [rows(every_row=False)] if plan.num_decode else []
         parts += [chunk(c) for c in plan.prefills]
         return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+    def _all_rows(self, plan: AttentionPlan, pool) -> bool:
+        """Whether every prefill chunk of the step is served as rows."""
+        own_rows = isinstance(pool, QuantizedPool) and pool.step_rows is not None
+        return not own_rows and all(self.prefill_as_rows(c.num_tokens, c.context_len) for c in plan.prefills)
 
     def prefill_as_rows(self, num_tokens: int, context_len: int) -> bool:
         """Whether a prefill chunk is served best as single-query rows."""
@@ -198,15 +245,18 @@ class FusedKernel:
         )
 
     def usable(
-        self, dtype, k_pool, v_pool, q_heads: int, window=None, sinks: bool = False, softcap=None
+        self, dtype, k_pool, v_pool, q_heads: int, window=None, sinks: bool = False, softcap=None, new=False
     ) -> bool:
         """Supported, and passed its self-check on this device, for this ``window`` (or none), with or
-        without ``sinks`` and a ``softcap``."""
+        without ``sinks`` and a ``softcap``, with or without the rows' own K/V (``new``, ``decode``'s
+        ``new_rows``)."""
         if not self.supports(dtype, k_pool, v_pool, q_heads):
             return False
         _, kv_heads, block_size, dim = k_pool.shape
         layout = quantization(k_pool, v_pool)
-        features = (window, sinks, softcap is not None)
+        if new and layout != (None, None):
+            return False
+        features = (window, sinks, softcap is not None, new)
         key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads, *layout, *features)
         if key not in self._checked:
             self._checked[key] = self._self_check(*key[1:])
@@ -224,11 +274,13 @@ class FusedKernel:
         sinks=None,
         softcap=None,
         table_starts=None,
+        new_rows=None,
     ) -> mx.array:
         """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables, each
         query over its last ``window`` tokens if given, with ``sinks`` and ``softcap`` as ``__call__``
         takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
-        (``plan.window_tables``; only with a window)."""
+        (``plan.window_tables``; only with a window); ``new_rows``: each row's own keys and values
+        ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
         dtype = k_pool.dtype
@@ -239,11 +291,11 @@ class FusedKernel:
         parts = -(-block_tables.shape[1] * block_size // part)
         threads = self.warps * SIMD
         bits, group_size = quantization(k_pool, v_pool)
-        partition, reduce = self._compiled(bits, group_size)
+        partition, reduce = self._compiled(bits, group_size, new_rows is not None)
         if bits:
             pools = [k_pool.data, k_pool.scales, k_pool.biases, v_pool.data, v_pool.scales, v_pool.biases]
         else:
-            pools = [k_pool, v_pool]
+            pools = [k_pool, v_pool, *(new_rows or [])]
         lens = context_lens.astype(mx.int32)
         one = parts == 1  # the partition kernel writes the output itself
         if window is None:
@@ -300,22 +352,22 @@ class FusedKernel:
             mx.eval(self._param_arrays[key])
         return self._param_arrays[key]
 
-    def _compiled(self, bits=None, group_size=None):
+    def _compiled(self, bits=None, group_size=None, new=False):
         """The (partition, reduce) kernels of a variant, made at first use."""
-        key = (bits, group_size)
+        key = (bits, group_size, new)
         if key not in self._kernels:
-            sources = kernel_sources(self.template, self.dialect, bits, group_size)
+            sources = kernel_sources(self.template, self.dialect, bits, group_size, new)
             self._kernels[key] = (build(sources["partition"], self.dialect), build(sources["reduce"], self.dialect))
         return self._kernels[key]
 
     def _self_check(
         self, dtype, dim: int, block_size: int, rep: int, bits=None, group_size=None, window=None, sinks=False,
-        softcap=False,
+        softcap=False, new=False,
     ) -> bool:  # fmt: skip
         config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
         if bits:
             config += f", kv_bits={bits}, group_size={group_size}"
-        features = {"window": window, "sinks": sinks, "softcap": softcap}
+        features = {"window": window, "sinks": sinks, "softcap": softcap, "new": new}
         config += "".join(f", {name}={value}" for name, value in features.items() if value)
         return self_check.passes(
             f"{self.name} paged attention",
@@ -342,6 +394,7 @@ class FusedKernel:
         window: int | None = None,
         sinks: bool = False,
         softcap: bool = False,
+        new: bool = False,
     ) -> float:
         """Relative error of ``decode`` against the portable kernel (float32) on random inputs.
 
@@ -355,7 +408,8 @@ class FusedKernel:
         over whole tables and over tables narrowed as the engine narrows them
         (the larger error counts); without ``one_partition`` a row reaches a
         partition past the window. ``sinks`` adds random sink logits (in the
-        queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends.
+        queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends. With ``new``, each row's own
+        K/V (at its last position) is given as ``new_rows`` and NaN in the pools, and must be there after.
         """
         lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
         if window is not None and not one_partition:  # narrowed, this row fits one partition for small windows
@@ -378,6 +432,13 @@ class FusedKernel:
         visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
         visible[tables.reshape(-1)] = seen.reshape(rows * width, 1, block_size, 1)
         visible[0] = False
+        if new:  # each row's own slot, NaN in the pools: read from new_rows
+            own_blocks = tables[mx.arange(rows), (context_lens - 1) // block_size]
+            own_slots = own_blocks * block_size + (context_lens - 1) % block_size
+            flat_slots = mx.zeros((num_blocks * block_size,), mx.bool_)
+            flat_slots[own_slots] = True
+            visible = visible & ~flat_slots.reshape(num_blocks, 1, block_size, 1)
+            own_rows = [p.swapaxes(1, 2).reshape(-1, kv_heads, dim)[own_slots] for p in (k_pool, v_pool)]
         scale = dim**-0.5
         sink_logits = mx.random.normal((kv_heads * rep,), key=ks).astype(dtype) if sinks else None
         cap = 1.5 if softcap else None
@@ -403,9 +464,17 @@ class FusedKernel:
         masking = {"window": window, "sinks": sink_logits, "softcap": cap}
         errors = []
         for table, starts in layouts:
-            out = self.decode(queries, *poisoned, table, context_lens, scale, **masking, table_starts=starts)
+            if new:  # fresh pools for each run: the kernel writes into them
+                poisoned = [mx.where(visible, p, mx.nan) for p in (k_pool, v_pool)]
+                mx.eval(poisoned)
+            given = {"new_rows": own_rows} if new else {}
+            out = self.decode(queries, *poisoned, table, context_lens, scale, **masking, table_starts=starts, **given)
             errors.append(mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max())
-        return max(e.item() for e in errors)
+            if new:  # written in place: the pools now hold the rows' own K/V
+                written = [p.swapaxes(1, 2).reshape(-1, kv_heads, dim)[own_slots] for p in poisoned]
+                errors += [mx.abs(w - r).astype(mx.float32).max() for w, r in zip(written, own_rows)]
+        values = [e.item() for e in errors]
+        return float("nan") if any(v != v for v in values) else max(values)  # max() may pass over a NaN
 
 
 class CudaKernel(FusedKernel):
@@ -413,6 +482,7 @@ class CudaKernel(FusedKernel):
 
     name = "cuda"
     dialect = CUDA
+    in_place_writes = True
 
     def is_available(self) -> bool:
         return mx.cuda.is_available() and mx.default_device() == mx.gpu
@@ -423,6 +493,9 @@ class MetalKernel(FusedKernel):
 
     name = "metal"
     dialect = METAL
+    # Not on Metal: MLX orders its command buffers there by the arrays kernels give, and a pool written in
+    # place is not one of them, so a later step could read a slot before it is written. Untested here.
+    in_place_writes = False
 
     def is_available(self) -> bool:
         return mx.metal.is_available() and mx.default_device() == mx.gpu

@@ -43,6 +43,11 @@ class AttentionPlan:
     # row is in the call's flattened ``(B * L)`` tokens ``(T,)``.
     sequence_starts: "mx.array | None" = None
     sequence_rows: "mx.array | None" = None
+    # Every row is the one new token of its sequence (a decode step): no row needs K/V another row writes.
+    one_token_per_sequence: bool = False
+    # Kernels may write this step's K/V into the pools in place (a compiled step of rows whose every layer
+    # owns its pools: no write of it is ordered only by values, as a scatter after another write would be).
+    in_place: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -104,6 +104,8 @@ class PagedLayerCache:
         self.kernel = kernel
         self.plan: AttentionPlan | None = None
         self._step_rows: list[mx.array] | None = None  # see _keep_step_rows
+        self._pending: tuple | None = None  # (index, keys, values) a step wrote, until attend writes them
+        self.decodes_in_place = False  # whether the last decode step traced wrote this layer's K/V in place
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -126,13 +128,45 @@ class PagedLayerCache:
         return self.plan.rope_offsets
 
     def update_and_fetch(self, keys, values):
+        self.write_pending()  # rows no attention took (none do, but a write must not be lost)
         keys, values = self.plan.as_rows(keys), self.plan.as_rows(values)
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
-        keys = self._write(keys.reshape(rows, heads, -1), self.arrays[: self.parts], index, self.rotated)
-        values = self._write(values.reshape(rows, heads, -1), self.arrays[self.parts :], index, rotated=False)
+        keys, values = keys.reshape(rows, heads, -1), values.reshape(rows, heads, -1)
+        if self.bits is None:  # written by attend: in place where the kernel can (FusedKernel.write_and_attend)
+            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
+            self._pending = (index, keys, values)
+            return keys, values  # unused: the hook reads the pools
+        keys = self._write(keys, self.arrays[: self.parts], index, self.rotated)
+        values = self._write(values, self.arrays[self.parts :], index, rotated=False)
         self._keep_step_rows([keys, values])
-        return keys, values  # unused: the hook reads the pools
+        return keys, values
+
+    def write_pending(self) -> None:
+        """Write the K/V rows ``update_and_fetch`` left for ``attend``, as a scatter."""
+        if self._pending is not None:
+            index, keys, values = self._pending
+            self._pending = None
+            self.arrays[0][index] = keys
+            self.arrays[1][index] = values
+
+    def drop_pending(self) -> None:
+        """Forget the K/V rows of a step that is undone."""
+        self._pending = None
+
+    def _write_and_attend(self, rows, scale, masking) -> mx.array | None:
+        """The attention of ``rows`` by a kernel that also writes the K/V rows ``update_and_fetch`` left, in
+        place (``FusedKernel.write_and_attend``), where the plan allows it; None if it cannot."""
+        write_and_attend = getattr(self.kernel, "write_and_attend", None)
+        if self._pending is None or write_and_attend is None or not self.plan.in_place or _float32_attention:
+            return None
+        out = write_and_attend(rows, *self.arrays, *self._pending, self.plan, self.shape, scale, **masking)
+        if self.plan.one_token_per_sequence:
+            self.decodes_in_place = out is not None
+        if out is not None:
+            self._pending = None
+            self.arrays[:] = mx.depends(self.arrays, [out])  # evaluating the pools runs the writes
+        return out
 
     def _write(self, x: mx.array, arrays: list[mx.array], index: mx.array, rotated: bool) -> mx.array:
         """Store rows ``x`` ``(T, heads, dim)`` at ``index`` of ``arrays`` (with ``kv_bits`` quantized, rotated
@@ -166,11 +200,7 @@ class PagedLayerCache:
     def attend(self, queries, scale, sinks=None, softcap=None):
         """The kernel's attention of ``queries`` over this layer's pool (``sinks``, ``softcap``: see
         ``kernels``)."""
-        pools = [a.reshape(*self.shape, -1) for a in self.arrays]
         dtype = queries.dtype
-        if _float32_attention and self.bits is None:
-            queries, pools = queries.astype(mx.float32), [p.astype(mx.float32) for p in pools]
-        k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not getattr(self.kernel, "windowed", False):
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
@@ -181,7 +211,14 @@ class PagedLayerCache:
         rows = self.plan.as_rows(queries)
         if self.rotated:  # against rotated keys, the same scores
             rows = unrotate(rows, self.group_size)
-        out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
+        out = self._write_and_attend(rows, scale, window_and_sinks)
+        if out is None:
+            self.write_pending()
+            pools = [a.reshape(*self.shape, -1) for a in self.arrays]
+            if _float32_attention and self.bits is None:
+                rows, pools = rows.astype(mx.float32), [p.astype(mx.float32) for p in pools]
+            k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
+            out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
         if self.plan.prefills:
             # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
             # work, so a forward pass queued whole would hold every layer's activations at once.
