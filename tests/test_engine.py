@@ -291,6 +291,7 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     assert outputs[ids[1]] == full[1][: full[1].index(stop)]
     assert outputs[ids[3]] == full[3][: len(outputs[ids[3]])]
     assert len(ahead) > 10
+    assert engine.runner.writes_in_place == (decode_launch != "read first")
     engine.step()  # reads whatever ran ahead for the finished requests
     assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None and engine._unread is None
 
@@ -349,7 +350,7 @@ def test_an_interrupt_while_reading_a_step_behind_one_launched_ahead_loses_nothi
     monkeypatch.setattr(Engine, "_wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
-    if decode_launch == "launched ahead":
+    if decode_launch != "read first":
         assert engine._unread is waits[0] and engine._in_flight is not waits[0]
     collect(engine.step(), outputs)
     assert waits[1] is waits[0]  # the interrupted read first
