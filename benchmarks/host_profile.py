@@ -181,7 +181,7 @@ def main():
             engine_step(engine, prompts, args.steps, profiler)
             show()
         return
-    mlx_lm_profile(model, prompt, 8)  # warm-up
+    mlx_lm_profile(model, prompt, 8)  # warm-up; before any engine, which on a GPU merges the model's projections
     theirs = mlx_lm_profile(model, prompt, args.steps)
     print("| system | rows | schedule | forward | sample | launch | wait | apply | step | tok/s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -3,9 +3,11 @@
 Quantized pools are compared with the reference over their dequantized values.
 """
 
+import copy
 import warnings
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from models import tiny_model
@@ -14,6 +16,7 @@ from test_engine import reference as mlx_lm_tokens
 from test_kernels import make_case, make_plan, reference, rel_error
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine import engine as engine_module
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
@@ -21,6 +24,7 @@ from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
+from llm_paged_mlx.models.merged_projections import MergedPart
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
 
@@ -494,6 +498,7 @@ def test_in_place_writes_and_steps_launched_ahead_give_the_tokens_of_scatter_wri
     flips a near tie: each request's tokens agree with mlx-lm's at least up to 30)."""
     model = tiny_model(arch)
     model.set_dtype(dtype)
+    unmerged = copy.deepcopy(model)  # mlx-lm's reference runs on the model's own projections
     prompts = random_prompts([12, 30, 45, 20, 1, 100, 17], seed=3)
     params = [SamplingParams(max_tokens=30 + 3 * i) for i in range(len(prompts))]
     engine = Engine(model, num_blocks=64)
@@ -503,6 +508,26 @@ def test_in_place_writes_and_steps_launched_ahead_give_the_tokens_of_scatter_wri
     monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: False))
     assert in_place == [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
     if dtype == mx.float32:
-        expected = [mlx_lm_tokens(model, p, q.max_tokens) for p, q in zip(prompts, params)]
+        expected = [mlx_lm_tokens(unmerged, p, q.max_tokens) for p, q in zip(prompts, params)]
         assert all(got[:30] == want[:30] for got, want in zip(in_place, expected))
         assert sum(got == want for got, want in zip(in_place, expected)) >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_an_engine_on_the_gpu_merges_projections_and_gives_the_tokens_of_unmerged_ones(bits, monkeypatch):
+    """Merged, a layer's q/k/v and gate/up products round as MLX's separate ones do (bf16 one unit in the
+    last place at some row counts): token for token the engine's with unmerged projections, but where
+    such a rounding flips a near tie (each request agrees up to 20 tokens, all but one whole)."""
+    model = tiny_model("qwen3")
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+    unmerged = copy.deepcopy(model)
+    prompts = random_prompts([12, 30, 45, 20, 1, 100, 17], seed=5)
+    params = [SamplingParams(max_tokens=30 + 3 * i) for i in range(len(prompts))]
+    merged = [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
+    assert type(model.layers[0].self_attn.q_proj) is MergedPart and type(model.layers[0].mlp.up_proj) is MergedPart
+    monkeypatch.setattr(engine_module, "merge_projections", lambda model: 0)
+    separate = [o.token_ids for o in Engine(unmerged, num_blocks=64).generate(prompts, params)]
+    assert type(unmerged.layers[0].self_attn.q_proj) is not MergedPart
+    assert all(got[:20] == want[:20] for got, want in zip(merged, separate))
+    assert sum(got == want for got, want in zip(merged, separate)) >= len(prompts) - 1

@@ -12,6 +12,7 @@ import mlx.core as mx
 from .. import plugins
 from ..errors import one_line
 from ..kernels import select_kernel
+from ..models.merged_projections import merge_projections
 from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
 from ..models.softcapped import has_softcapped_attention
@@ -106,8 +107,10 @@ class Engine:
     or across processes with ``verdict_file``. An engine is driven from one
     thread (MLX streams belong to the thread that made them). It adapts the
     model in place, with the same results for mlx-lm: attention calls go
-    through a hook that leaves other caches to mlx-lm, and quantized linear
-    layers multiply a step's rows as one matrix (``models.quantized_rows``).
+    through a hook that leaves other caches to mlx-lm, quantized linear
+    layers multiply a step's rows as one matrix (``models.quantized_rows``),
+    and on a GPU projections that read the same input run as one product
+    (``models.merged_projections``).
 
     Models with recurrent layers (hybrids such as Qwen3.5) keep each running
     sequence's state beside its blocks (``models.state_cache``); the state of
@@ -216,6 +219,8 @@ class Engine:
                 "which the model's attention needs"
             )
         fold_quantized_rows(model)
+        if mx.default_device() == mx.gpu:
+            merge_projections(model)
         # A block holds its tokens for the layers of one group: one layer in each of the groups' places.
         owners = {place: layout for place, layout in reversed(list(zip(groups.layer_places, layouts)))}
         block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in owners.values())

@@ -1,0 +1,87 @@
+"""Projections that read the same input run as one product (models/merged_projections.py)."""
+
+import copy
+import gc
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+
+from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.models.merged_projections import MergedPart, merge_projections
+from llm_paged_mlx.models.quantized_rows import fold_quantized_rows
+from models import tiny_model
+from test_engine import random_prompts, reference
+
+
+def _shapes(model):
+    return [(name, p.shape, p.dtype) for name, p in tree_flatten(model.parameters())]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])  # qwen2: projections with a bias; qwen3: q/k norms
+@pytest.mark.parametrize("bits", [None, 4])
+def test_a_merged_model_computes_what_it_computed_and_keeps_its_parameters(arch, bits):
+    model = tiny_model(arch)
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+        fold_quantized_rows(model)
+    rows = mx.array([[3], [17], [40], [200]])  # an engine step: a token per row
+    sequence = mx.array([[3, 17, 40, 200, 9]])
+    want = [model(rows), model(sequence)]
+    shapes = _shapes(model)
+    assert merge_projections(model) == 2 * len(model.layers)  # attention's q/k/v and the MLP's gate/up, each layer
+    attention = model.layers[0].self_attn
+    assert all(type(getattr(attention, name)) is MergedPart for name in ("q_proj", "k_proj", "v_proj"))
+    assert _shapes(model) == shapes  # same names, shapes and dtypes: the parts' arrays view the merged ones
+    for got, expected in zip([model(rows), model(sequence)], want):
+        assert mx.array_equal(got, expected).item()
+    assert attention.q_proj.product._input is None  # every part served: no activations held past the layer
+    assert merge_projections(model) == 0  # merged once only
+
+
+def test_projections_that_differ_are_left_alone():
+    model = tiny_model("llama", num_hidden_layers=3)
+
+    class Adapted(nn.Linear):  # a LoRA-style layer of its own class
+        pass
+
+    first, second, third = model.layers
+    adapted = Adapted(128, 64, bias=False)
+    first.self_attn.k_proj = adapted
+    second.self_attn.v_proj = nn.Linear(128, 64, bias=True)  # a bias where its group has none
+    third.mlp.up_proj = nn.QuantizedLinear.from_linear(third.mlp.up_proj, group_size=32, bits=8)
+    third.mlp.gate_proj = nn.QuantizedLinear.from_linear(third.mlp.gate_proj, group_size=32, bits=4)
+    assert merge_projections(model) == 3  # the MLPs of the first two layers and the third layer's attention
+    assert first.self_attn.k_proj is adapted and type(first.self_attn.q_proj) is nn.Linear
+    assert type(second.self_attn.q_proj) is nn.Linear
+    assert type(third.mlp.gate_proj) is nn.QuantizedLinear and type(third.self_attn.q_proj) is MergedPart
+
+
+def test_merging_adds_no_memory():
+    model = tiny_model("llama", hidden_size=512, intermediate_size=1024)
+    gc.collect()
+    before = mx.get_active_memory()
+    merge_projections(model)
+    gc.collect()
+    weights = sum(p.nbytes for _, p in tree_flatten(model.parameters()))
+    assert mx.get_active_memory() - before < weights // 20  # the parts' arrays are views, the old ones freed
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_an_engine_over_merged_projections_gives_mlx_lm_s_tokens(bits):
+    model = tiny_model("qwen3")
+    if bits:
+        nn.quantize(model, group_size=32, bits=bits)
+    unmerged = copy.deepcopy(model)  # mlx-lm's reference runs on the model's own layers
+    merge_projections(model)  # as an engine on a GPU does
+    prompts = random_prompts([40, 70, 9], seed=3)
+    outputs = Engine(model).generate(prompts, SamplingParams(max_tokens=12))
+    assert [o.token_ids for o in outputs] == [reference(unmerged, p, 12) for p in prompts]
+
+
+@pytest.mark.skipif(mx.default_device() == mx.gpu, reason="on a GPU the engine merges them (test_kernels_cuda.py)")
+def test_an_engine_on_the_cpu_leaves_the_projections_as_they_are():
+    model = tiny_model("llama")
+    Engine(model)
+    assert type(model.layers[0].self_attn.q_proj) is nn.Linear  # merged on GPUs only, where encoding sets the pace
