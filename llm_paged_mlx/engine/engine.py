@@ -12,7 +12,7 @@ import mlx.core as mx
 from .. import plugins
 from ..errors import one_line
 from ..kernels import select_kernel
-from ..models.merged_projections import merge_projections
+from ..models.merged_projections import has_merged_projections, merge_projections
 from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
 from ..models.softcapped import has_softcapped_attention
@@ -110,7 +110,8 @@ class Engine:
     through a hook that leaves other caches to mlx-lm, quantized linear
     layers multiply a step's rows as one matrix (``models.quantized_rows``),
     and on a GPU projections that read the same input run as one product
-    (``models.merged_projections``).
+    (``models.merged_projections``: load the model again to train, convert or
+    shard it).
 
     Models with recurrent layers (hybrids such as Qwen3.5) keep each running
     sequence's state beside its blocks (``models.state_cache``); the state of
@@ -167,6 +168,9 @@ class Engine:
         if is_sharded(model):
             raise ValueError("the model is already sharded over devices: give the unsharded model with "
                              "tensor_parallel=group, which shards it")  # fmt: skip
+        if self.group is not None and has_merged_projections(model):
+            raise ValueError("the model's projections were merged by an engine on one device: give the model as "
+                             "loaded with tensor_parallel=group, which shards it")  # fmt: skip
         if self.group is not None:  # every rank must decide as the others do
             if kv_disk_cache is not None:
                 raise ValueError("kv_disk_cache: the disk tier is not shared by the ranks of a tensor-parallel engine")

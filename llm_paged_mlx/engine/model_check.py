@@ -45,7 +45,7 @@ _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
 _OWN_SOURCES = (
     "engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/softcapped.py",
-    "models/state_cache.py", "models/latent_shape.py",
+    "models/state_cache.py", "models/latent_shape.py", "models/merged_projections.py",
 )  # fmt: skip
 
 
