@@ -12,6 +12,7 @@ from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.models import merged_projections
 from llm_paged_mlx.models.merged_projections import MergedPart, has_merged_projections, merge_projections
 from llm_paged_mlx.models.quantized_rows import fold_quantized_rows
+from faults import Fault, Injector, run_through_faults
 from models import tiny_model
 from test_engine import random_prompts, reference
 
@@ -44,8 +45,8 @@ def test_a_merged_model_computes_what_it_computed_and_keeps_its_parameters(arch,
 def test_projections_that_differ_are_left_alone():
     model = tiny_model("llama", num_hidden_layers=3)
 
-    class Adapted(nn.Linear):  # a LoRA-style layer of its own class
-        pass
+    class Adapted(nn.Linear):
+        """A LoRA-style layer of its own class."""
 
     first, second, third = model.layers
     adapted = Adapted(128, 64, bias=False)
@@ -83,6 +84,24 @@ def test_an_engine_over_merged_projections_gives_mlx_lm_s_tokens(bits):
     prompts = random_prompts([40, 70, 9], seed=3)
     outputs = Engine(model).generate(prompts, SamplingParams(max_tokens=12))
     assert [o.token_ids for o in outputs] == [reference(unmerged, p, 12) for p in prompts]
+
+
+# A fault in a step's first trace that its eager run then escapes runs the model's steps eagerly from then on.
+@pytest.mark.filterwarnings("ignore:steps of this model cannot be compiled:RuntimeWarning")
+@pytest.mark.parametrize("error", [Fault, KeyboardInterrupt])
+def test_a_step_whose_merged_product_fails_is_undone(error, monkeypatch):
+    """A merged product that raises part way through a layer (some parts served, others not): the step is
+    undone, the next product of that group is computed afresh, and every request gets mlx-lm's tokens."""
+    model = tiny_model("llama")
+    unmerged = copy.deepcopy(model)
+    merge_projections(model)
+    prompts = random_prompts([40, 70, 9, 25], seed=4)
+    engine = Engine(model, num_blocks=64)
+    injector = Injector(monkeypatch, merged_projections.MergedProduct, "columns", [2, 13, 14, 30], error)
+    got = run_through_faults(engine, prompts, SamplingParams(max_tokens=12), (error,))
+    assert injector.failures == 4
+    assert got == [reference(unmerged, p, 12) for p in prompts]
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
 
 
 @pytest.mark.skipif(mx.default_device() == mx.gpu, reason="on a GPU the engine merges them (test_kernels_cuda.py)")
