@@ -37,12 +37,19 @@ def _bounds(widths: list[int]) -> list[tuple[int, int]]:
     return [(sum(widths[:i]), sum(widths[: i + 1])) for i in range(len(widths))]
 
 
+def _concatenated(parts: list) -> dict[str, mx.array]:
+    """The parts' parameters stacked along their output rows, evaluated."""
+    merged = {key: mx.concatenate([p[key] for p in parts]) for key in parts[0].keys()}
+    mx.eval(merged)
+    return merged
+
+
 class MergedProduct:
     """The product of one group's merged weights, computed once per input and handed out by columns."""
 
     def __init__(self, merged: nn.Module, widths: list[int]):
         self.merged = merged
-        self.bounds = _bounds(widths)
+        self.bounds = _bounds(widths)  # each part's columns
         self.parts: list["MergedPart"] = []
         self.stale = False  # a part's parameters were set anew: merge them again before the next product
         self._input = self._output = None
@@ -72,8 +79,7 @@ class MergedProduct:
         keys = sorted(self.parts[0].keys())
         if any(sorted(p.keys()) != keys for p in self.parts):
             raise ValueError("merged projections were given parameters of different names: load the model again")
-        self.merged.update({key: mx.concatenate([p[key] for p in self.parts]) for key in keys})
-        mx.eval(self.merged.parameters())
+        self.merged.update(_concatenated(self.parts))
         self.bounds = _bounds([p.weight.shape[0] for p in self.parts])
         self.view_parts()
         self.stale = False
@@ -129,8 +135,7 @@ def _agrees(parts: list, merged: nn.Module, bounds: list[tuple[int, int]]) -> bo
 def _merge(owner: nn.Module, names: tuple[str, ...]) -> bool:
     parts = [getattr(owner, name) for name in names]
     merged = copy.copy(parts[0])  # the same class and settings (quantization, row folding)
-    merged.update({key: mx.concatenate([p[key] for p in parts]) for key in parts[0].keys()})
-    mx.eval(merged.parameters())  # before the parts' own arrays are let go
+    merged.update(_concatenated(parts))  # evaluated before the parts' own arrays are let go
     product = MergedProduct(merged, [p.weight.shape[0] for p in parts])
     if not _agrees(parts, merged, product.bounds):
         return False
