@@ -1,6 +1,7 @@
 """Engine vs mlx-lm BatchGenerator on a random-weight Qwen3-0.6B-shaped model, in one process.
 
-``--model deepseek-v2-lite`` takes a DeepSeek-V2-Lite-shaped model instead (27
+``--model llama-8b`` takes a Llama-3.1-8B-shaped model instead, ``--bits 4`` any model with 4-bit
+weights (group 64). ``--model deepseek-v2-lite`` takes a DeepSeek-V2-Lite-shaped model instead (27
 layers, 16 heads, latent 512 + RoPE 64, 64 routed experts of which 6 per token
 and 2 shared) in mlx-lm's ``deepseek_v3`` module, which caches the latent
 (``deepseek_v2`` caches full per-head K/V): multi-head latent attention.
@@ -32,9 +33,11 @@ import statistics
 import time
 
 import mlx.core as mx
+import mlx.nn as nn
+from long_context import LLAMA_8B, SMALL as LLAMA_SMALL  # this folder
 from mlx.utils import tree_map
 from mlx_lm.generate import BatchGenerator, generate_step
-from mlx_lm.models import deepseek_v3, gpt_oss, qwen3, qwen3_5
+from mlx_lm.models import deepseek_v3, gpt_oss, llama, qwen3, qwen3_5
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -76,16 +79,20 @@ QWEN3_5_SMALL = dict(model_type="qwen3_5", text_config=dict(
 ))
 MODELS = {  # name: (module, config, --small config)
     "qwen3-0.6b": (qwen3, QWEN3_0_6B, SMALL),
+    "llama-8b": (llama, LLAMA_8B, LLAMA_SMALL),
     "deepseek-v2-lite": (deepseek_v3, DEEPSEEK_V2_LITE, DEEPSEEK_SMALL),
     "gpt-oss-20b": (gpt_oss, GPT_OSS_20B, GPT_OSS_SMALL),
     "qwen3.5-27b": (qwen3_5, QWEN3_5_27B, QWEN3_5_SMALL),
 }
 
 
-def build_model(module, config, dtype):
+def build_model(module, config, dtype, bits=None):
+    """A random-weight model (seeded: every call gives the same weights), with ``bits``-bit weights (group 64)."""
     mx.random.seed(0)
     model = module.Model(module.ModelArgs(**config))
     model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
+    if bits:
+        nn.quantize(model, group_size=64, bits=bits)
     mx.eval(model.parameters())
     return model
 
@@ -141,6 +148,7 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--kernels", nargs="+", default=["auto", "portable"])
     parser.add_argument("--small", action="store_true", help="a 4-layer model, for the CPU")
+    parser.add_argument("--bits", type=int, choices=[4], default=None, help="quantize the weights (group 64)")
     parser.add_argument("--eager", action="store_true", help="also run each kernel without compiled steps")
     parser.add_argument(
         "--no-verify", action="store_true",
@@ -154,11 +162,12 @@ def main(argv=None):
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
     config = small if args.small else config
-    model = build_model(module, config, dtype)
-    baseline = build_model(module, config, dtype)  # mlx-lm's own: an engine on a GPU merges its model's projections
+    model = build_model(module, config, dtype, args.bits)
+    baseline = build_model(module, config, dtype, args.bits)  # mlx-lm's own: a GPU engine merges its projections
     vocab = (config.get("text_config") or config)["vocab_size"]
+    weights = f", {args.bits}-bit weights" if args.bits else ""
     print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
-          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}, prompts of {args.prompt_tokens[0]}-"
+          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}{weights}, prompts of {args.prompt_tokens[0]}-"
           f"{args.prompt_tokens[1]} tokens, {args.new_tokens} new tokens per request")
     runner = Engine(model, num_blocks=4, verify_model=False).runner
     print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in runner.layouts):,}")

@@ -18,8 +18,8 @@ step, medians over ``--steps`` steady steps after a warm-up:
 The same split for mlx-lm at one stream: a bare greedy loop over its model and ``KVCache`` in
 ``generate_step``'s order (its model call, ``async_eval``, reading a token), its time per token. Then
 the engine at one stream with each step waited for before the next is built, and with the step built ahead
-launched only after the one in flight is read. ``--kernel-profile ROWS`` lists the GPU kernels of the
-engine's steps instead.
+launched only after the one in flight is read. ``--kernel-profile ROWS`` lists the GPU kernels of
+mlx-lm's loop and of the engine's steps at ROWS requests instead.
 The budget a step has is the device's time: whatever host work is not hidden behind it is lost.
 """
 
@@ -31,7 +31,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # this folder
 from long_context import LLAMA_8B
 from mlx_lm.models import llama, qwen3
@@ -117,15 +116,18 @@ def read_first_ms(model, prompt, steps: int) -> float:
     return one_stream_ms(engine, prompt, steps)
 
 
-def mlx_lm_profile(model, prompt, steps: int) -> dict[str, float]:
+def mlx_lm_profile(model, prompt, steps: int, profiler=None) -> dict[str, float]:
     """A bare greedy loop over mlx-lm's model and cache in ``generate_step``'s order (the next token's graph
-    built and launched before the current one is read), split into those parts."""
+    built and launched before the current one is read), split into those parts; ``profiler`` (a context
+    manager) records its last ``steps`` steps."""
     cache = make_prompt_cache(model)
     logits = model(mx.array(prompt)[None], cache=cache)[:, -1]
     token = mx.argmax(logits, axis=-1)
     mx.eval(token)
     parts = defaultdict(list)
-    for _ in range(steps + 10):
+    for step in range(steps + 10):
+        if profiler is not None and step == 10:
+            profiler.__enter__()
         t0 = time.perf_counter()
         logits = model(token[:, None], cache=cache)[:, -1]
         next_token = mx.argmax(logits, axis=-1)
@@ -137,6 +139,9 @@ def mlx_lm_profile(model, prompt, steps: int) -> dict[str, float]:
         token = next_token
         for part, seconds in (("forward", t1 - t0), ("launch", t2 - t1), ("wait", t3 - t2), ("step", t3 - t0)):
             parts[part].append(seconds)
+    if profiler is not None:
+        token.item()
+        profiler.__exit__(None, None, None)
     return {part: 1000 * statistics.median(values[10:]) for part, values in parts.items()}
 
 
@@ -162,10 +167,7 @@ def main():
     else:
         module, config = MODELS[args.model]
         config = SMALL if args.small else config
-        model = build_model(module, config, mx.float32 if args.small else mx.bfloat16)
-        if args.bits:
-            nn.quantize(model, group_size=64, bits=args.bits)
-            mx.eval(model.parameters())
+        model = build_model(module, config, mx.float32 if args.small else mx.bfloat16, args.bits)
         dtype = "float32" if args.small else "bf16"
         name = f"{'small ' if args.small else ''}{args.model}, {f'{args.bits}-bit' if args.bits else dtype} weights"
         layers, vocab = config["num_hidden_layers"], config["vocab_size"]
@@ -173,8 +175,12 @@ def main():
           f"{layers} layers; ms per decode step, medians of {args.steps}")
     prompt = prompts_for(1, vocab, 1, 64, 128)[0]
     if args.kernel_profile:
-        profiler, show = kernel_table(args.steps)
+        profiler, show = kernel_table(args.steps, "mlx-lm loop")
         if profiler is not None:
+            mlx_lm_profile(model, prompt, 8)  # warm-up; then its steps at one stream, before any engine
+            mlx_lm_profile(model, prompt, args.steps, profiler)
+            show()
+            profiler, show = kernel_table(args.steps)
             engine = Engine(model, kv_budget_bytes=4 * 2**30, max_num_seqs=64, enable_prefix_caching=False)
             prompts = prompts_for(args.kernel_profile, vocab, args.kernel_profile, 64, 128)
             engine_step(engine, prompts, args.steps)  # warm-up

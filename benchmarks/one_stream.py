@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
-import mlx.nn as nn
 from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # this folder
 from long_context import LLAMA_8B
 from mlx_lm.generate import generate_step
@@ -39,10 +38,7 @@ def load(name: str, bits: str):
         model, _ = load_model(str(smollm2_dir()), dequantize=bits == "none", dtype="float32")
         return model, model.args.vocab_size
     module, config = MODELS[name]
-    model = build_model(module, config, mx.bfloat16)
-    if bits != "none":
-        nn.quantize(model, group_size=64, bits=int(bits))
-        mx.eval(model.parameters())
+    model = build_model(module, config, mx.bfloat16, None if bits == "none" else int(bits))
     return model, config["vocab_size"]
 
 

@@ -2,7 +2,8 @@
 
     PYTHONPATH=. python3 benchmarks/prefill_time.py --model deepseek-v2-lite --small --tokens 512 2048
 
-Models as in ``engine_throughput.py`` (random weights). Each prompt runs twice on each system
+Models as in ``engine_throughput.py`` (random weights), or with ``--smollm2`` the real SmolLM2-135M in float32
+(the CPU's case). Each prompt runs twice on each system
 (the first run compiles and warms up); the second run's time is reported. The engine's prefix
 cache is off, so both compute the whole prompt.
 """
@@ -13,6 +14,7 @@ import time
 import mlx.core as mx
 from engine_throughput import MODELS, build_model, prompts_for  # this folder
 from mlx_lm.generate import generate_step
+from one_stream import load
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -21,17 +23,24 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", choices=MODELS, default="qwen3-0.6b")
     parser.add_argument("--small", action="store_true")
+    parser.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M, float32, instead")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--bits", type=int, choices=[4], default=None, help="quantize the weights (group 64)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the model check (a random MoE model's expert choices can flip on rounding alone)")
     args = parser.parse_args()
     dtype = mx.float32 if args.small else mx.bfloat16
-    module, config, small = MODELS[args.model]
-    model = build_model(module, small if args.small else config, dtype)
-    baseline = build_model(module, small if args.small else config, dtype)  # an engine on a GPU merges projections
+    if args.smollm2:
+        (model, _), (baseline, _) = load("smollm2", "none"), load("smollm2", "none")
+        name = "SmolLM2-135M float32"
+    else:
+        module, config, small = MODELS[args.model]
+        model = build_model(module, small if args.small else config, dtype, args.bits)
+        baseline = build_model(module, small if args.small else config, dtype, args.bits)  # a GPU engine merges
+        name = f"{'small ' if args.small else ''}{args.model}-shaped {dtype}"
+        name += f", {args.bits}-bit weights" if args.bits else ""
     engine = Engine(model, kv_budget_bytes=1 << 30, enable_prefix_caching=False, verify_model=not args.no_verify)
-    print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, "
-          f"{'small ' if args.small else ''}{args.model}-shaped {dtype}")
+    print(f"# mlx {mx.__version__} on {mx.default_device()}, {time.strftime('%Y-%m-%d')}, {name}")
     print("| prompt tokens | engine s | mlx-lm s | engine / mlx-lm |")
     print("|---:|---:|---:|---:|")
     for tokens in args.tokens:

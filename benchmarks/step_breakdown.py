@@ -86,8 +86,9 @@ def engine_step(engine, prompts, steps, profiler=None):
     return 1000 * statistics.median(times[len(times) // 4 :])
 
 
-def kernel_table(steps):
-    """A profiler over ``steps`` engine steps, and a function printing its kernels by time; None without PyTorch."""
+def kernel_table(steps, name="engine"):
+    """A profiler over ``steps`` steps of ``name``, and a function printing its kernels by time; None without
+    PyTorch."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
@@ -98,7 +99,9 @@ def kernel_table(steps):
     def show(rows=25):
         events = [e for e in profiler.key_averages() if e.self_device_time_total > 0]
         total = sum(e.self_device_time_total for e in events)
-        print(f"GPU kernels of {steps} engine steps: {total / 1000 / steps:.2f} ms of kernel time per step")
+        launches = sum(e.count for e in events) / steps
+        print(f"GPU kernels of {steps} {name} steps: {total / 1000 / steps:.2f} ms of kernel time and "
+              f"{launches:.0f} kernels per step")
         print(f"{'kernel':<72} {'ms/step':>8} {'share':>6} {'calls/step':>10}")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[:rows]:
             print(f"{e.key[:72]:<72} {e.self_device_time_total / 1000 / steps:>8.3f} "

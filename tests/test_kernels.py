@@ -15,7 +15,7 @@ import pytest
 
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
-from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
+from llm_paged_mlx.kernels.portable import QUERY_TILE, PortableKernel, causal_attention, decode_attention
 
 BIG = 1e30  # stands in for stale K/V that the portable kernel reads but must mask
 
@@ -191,6 +191,32 @@ def test_row_tables_agree_with_the_reference_rows():
     for r, n in enumerate(row_lens):
         used = -(-int(n) // 16)
         assert np.array_equal(np.array(tables)[r, :used], row_tables[r, :used])
+
+
+@pytest.mark.parametrize("sinks", [False, True])
+@pytest.mark.parametrize("n,past", [(QUERY_TILE + 1, 0), (2 * QUERY_TILE + 37, 100), (QUERY_TILE, 50)])
+def test_causal_attention_in_query_tiles_equals_one_call(n, past, sinks, monkeypatch):
+    """Tiles of queries, each over the keys up to its last query, give one causal call's values; a chunk after
+    ``past`` keys of context included."""
+    key = mx.random.key(3)
+    kq, kk, kv, ks = mx.random.split(key, 4)
+    q = mx.random.normal((1, 4, n, 32), key=kq)
+    k, v = (mx.random.normal((1, 4, past + n, 32), key=x) for x in (kk, kv))
+    sink_logits = mx.random.normal((4,), key=ks) if sinks else None
+    attention = mx.fast.scaled_dot_product_attention
+    want = attention(q, k, v, scale=0.2, mask="causal", sinks=sink_logits)
+    calls = []
+
+    def recorded(q, k, v, **kwargs):
+        calls.append((q.shape[2], k.shape[2]))
+        return attention(q, k, v, **kwargs)
+
+    monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
+    got = causal_attention(q, k, v, 0.2, "causal", sink_logits, in_full=True)
+    assert got.shape == want.shape
+    assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
+    ends = [min(first + QUERY_TILE, n) for first in range(0, n, QUERY_TILE)]
+    assert calls == [(end - first, past + end) for first, end in zip(range(0, n, QUERY_TILE), ends)]
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU only")

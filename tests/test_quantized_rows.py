@@ -1,6 +1,7 @@
 """Quantized linear and MLA per-head layers fold a step's rows into one matrix product (models/quantized_rows.py)."""
 
 import copy
+import warnings
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -9,7 +10,12 @@ import pytest
 from llm_paged_mlx import Engine, SamplingParams
 from mlx_lm.models.mla import MultiLinear
 
+from llm_paged_mlx.engine.memory import step_reserve
+from llm_paged_mlx.models import quantized_rows
+from llm_paged_mlx.models.merged_projections import merge_projections
 from llm_paged_mlx.models.quantized_rows import (
+    DEQUANTIZED_ROWS,
+    PADDED_ROWS,
     RowFoldedMultiLinear,
     RowFoldedQuantizedEmbedding,
     RowFoldedQuantizedLinear,
@@ -37,6 +43,91 @@ def test_folded_layers_give_the_same_values_for_rows_and_for_a_sequence():
     for g, w in zip(got, want):
         assert g.shape == w.shape and mx.array_equal(g, w).item()
     assert fold_quantized_rows(model) == 0  # already folded: nothing changes twice
+
+
+def routed_model(dtype, monkeypatch):
+    """A quantized linear layer (with a bias) and embedding in ``dtype``, and the same folded with products by
+    rows forced on (as on MLX's CUDA backend), their routes checked anew."""
+    mx.random.seed(1)
+    model = nn.Sequential(nn.Linear(128, 96, bias=True), nn.Embedding(96, 128))
+    model.set_dtype(dtype)
+    nn.quantize(model, group_size=32, bits=4)
+    unfolded = copy.deepcopy(model)
+    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    return unfolded, model
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, PADDED_ROWS - 1, PADDED_ROWS, 40, DEQUANTIZED_ROWS + 5])
+def test_products_by_rows_take_routes_that_give_the_quantized_product(rows, dtype, monkeypatch):
+    """Each route gives MLX's quantized product: 2-7 rows padded to 8, many half-precision rows through the
+    dequantized weights."""
+    unfolded, model = routed_model(dtype, monkeypatch)
+    x = mx.random.normal((rows, 1, 128)).astype(dtype)
+    want = [unfolded.layers[0](x), unfolded.layers[1].as_linear(x)]
+    fold_quantized_rows(model)
+    dequantized = []
+    dequantize = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: dequantized.append(1) or dequantize(*a, **k))
+    got = [model.layers[0](x), model.layers[1].as_linear(x)]
+    assert bool(dequantized) == (rows >= DEQUANTIZED_ROWS and dtype == mx.bfloat16)
+    tolerance = 1e-5 if dtype == mx.float32 else 3e-2  # MLX's bfloat16 quantized product on the CPU: about 1e-2
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = g.astype(mx.float32), w.astype(mx.float32)
+        assert (mx.linalg.norm(g - w) <= tolerance * mx.linalg.norm(w)).item()
+
+
+def test_routes_that_give_other_values_warn_and_are_not_taken(monkeypatch):
+    unfolded, model = routed_model(mx.bfloat16, monkeypatch)
+    monkeypatch.setattr(quantized_rows, "_routed", lambda layer, x: 2 * quantized_rows._quantized_product(layer, x))
+    with pytest.warns(RuntimeWarning, match="quantized products by rows gave other values"):
+        fold_quantized_rows(model)
+    x = mx.random.normal((DEQUANTIZED_ROWS, 1, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(model.layers[0](x), unfolded.layers[0](x)).item()
+    assert quantized_rows.dequantized_bytes(model.layers[0]) == 0
+
+
+def test_only_affine_quantization_takes_routes(monkeypatch):
+    """Other modes (scales of their own dtype, as mxfp4's) keep MLX's quantized product, with no warning."""
+    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=32, bits=4, mode="mxfp4"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fold_quantized_rows(model)
+    assert not quantized_rows.check_routes(model.layers[0])
+    assert quantized_rows.dequantized_bytes(model.layers[0]) == 0
+
+
+def test_a_step_reserves_the_largest_weights_it_dequantizes(monkeypatch):
+    """Two of the largest: a layer's once a step multiplies ``DEQUANTIZED_ROWS`` rows by it, the output head's
+    once as many logit rows reach it, merged projections as one."""
+    model = tiny_model("llama")
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=32, bits=4)
+    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: False)
+    fold_quantized_rows(model)
+    shapes = [(64, 4), (2048, 4), (2048, 2048)]
+    before = {shape: step_reserve(model, *shape) for shape in shapes}
+    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    sizes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding)):
+            assert quantized_rows.check_routes(module)
+            sizes[name] = quantized_rows.dequantized_bytes(module)
+    head = sizes.pop("lm_head", None) or sizes.pop("model.embed_tokens")
+    layers = max(sizes.values())
+    assert head > layers > 0
+    assert step_reserve(model, 64, 4) == before[(64, 4)]
+    assert step_reserve(model, 2048, 4) == before[(2048, 4)] + 2 * layers
+    assert step_reserve(model, 2048, 2048) == before[(2048, 2048)] + 2 * head
+    mlp = model.model.layers[0].mlp
+    merged = 2 * (mlp.gate_proj.weight.shape[0] + mlp.up_proj.weight.shape[0]) * mlp.gate_proj.weight.shape[1] * 8
+    assert merge_projections(model) > 0
+    assert step_reserve(model, 2048, 4) == before[(2048, 4)] + 2 * max(merged, layers)
 
 
 def test_layers_of_other_classes_are_left_alone():

@@ -16,9 +16,12 @@ import os
 from typing import Optional
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
+from ..models.merged_projections import MergedPart
 from ..models.paged_cache import model_config
+from ..models.quantized_rows import DEQUANTIZED_ROWS, dequantized_bytes
 
 DEFAULT_MEMORY_FRACTION = 0.9
 OVERSHOOT = 1 / 40  # of the total: MLX's allocations pass its limit by up to one array (measured: 1.5%)
@@ -60,8 +63,9 @@ def step_reserve(model, max_tokens: int, logit_rows: int) -> int:
     Per token: the residual stream, norms and projections, and the MLP's hidden
     layer (and with MLA, the absorbed queries: a latent row per head), all
     counted as float32 with room for a few live copies; the logits with the
-    sampler's float32 copies; and a prefill chunk's attention, which the
-    kernels keep within ``PREFILL_ATTENTION_BYTES``.
+    sampler's float32 copies; a prefill chunk's attention, which the
+    kernels keep within ``PREFILL_ATTENTION_BYTES``; and two of the largest
+    weights a step dequantizes (``quantized_rows``), of merged projections too.
     """
     config = model_config(model)
     hidden = _field(config, "hidden_size", 4096)
@@ -71,7 +75,20 @@ def step_reserve(model, max_tokens: int, logit_rows: int) -> int:
         _field(config, "kv_lora_rank", 0) + _field(config, "qk_rope_head_dim", 0)
     )
     per_token = 4 * (8 * hidden + 3 * intermediate + 3 * latent_queries)
-    return max_tokens * per_token + 3 * 4 * logit_rows * vocab + PREFILL_ATTENTION_BYTES
+    dequantized = 2 * _largest_dequantized(model, max_tokens, logit_rows)
+    return max_tokens * per_token + 3 * 4 * logit_rows * vocab + PREFILL_ATTENTION_BYTES + dequantized
+
+
+def _largest_dequantized(model, max_tokens: int, logit_rows: int) -> int:
+    """The bytes of the largest weight a step dequantizes: a layer's once it multiplies ``DEQUANTIZED_ROWS``
+    rows (the output head's rows are the logits'), merged projections as one."""
+    largest = 0
+    for name, module in model.named_modules():
+        layer = module.product.merged if isinstance(module, MergedPart) else module
+        head = name.split(".")[-1] == "lm_head" or isinstance(layer, nn.QuantizedEmbedding)
+        if (logit_rows if head else max_tokens) >= DEQUANTIZED_ROWS:
+            largest = max(largest, dequantized_bytes(layer))
+    return largest
 
 
 def auto_kv_budget(reserve: int, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:

@@ -5,7 +5,8 @@ Decode rows read K/V through their block tables with ``mx.gather_mm`` over
 chunk gathers its context and runs ``mx.fast.scaled_dot_product_attention``
 over it: on the GPU, where that attention is fused, for as many KV heads at a
 time as fit ``PREFILL_ATTENTION_BYTES``; elsewhere, where it computes the
-scores in full, a context longer than one tile goes tile by tile with an
+scores in full, in tiles of queries that skip the keys after their last (of
+a causal chunk), and a context longer than one tile goes tile by tile with an
 online softmax. So a chunk's attention memory stays bounded at any context
 length. Quantized pools (``kernels.quantized``) are read as values: decode rows
 dequantize the blocks they use, prefill chunks what they gather, with their own
@@ -22,6 +23,9 @@ from .quantized import QuantizedPool, block_values, own_rows
 # that tile's K and V.
 PREFILL_ATTENTION_BYTES = 1 << 30
 SCORE_COPIES = 6
+# Queries per tile of a causal chunk whose attention computes its scores in full (the CPU, and shapes MLX's
+# fused GPU attention does not take).
+QUERY_TILE = 256
 # Head dimensions and dtypes for which MLX's GPU backends run prefill attention fused (see fused_prefill).
 FUSED_PREFILL_DIMS = (64, 80, 128)
 FUSED_PREFILL_DTYPES = (mx.float16, mx.bfloat16)
@@ -214,11 +218,29 @@ def grouped_prefill_attention(
         q_group = slice(group.start * rep, group.stop * rep)
         q = queries[:, q_group].swapaxes(0, 2)  # (1, Hq of the group, n, D)
         group_sinks = None if sinks is None else sinks[q_group]
-        parts.append(mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=group_sinks))
+        parts.append(causal_attention(q, k, v, scale, mask, group_sinks, in_full=not fused_prefill(n, k_pool, v_pool)))
         if heads < kv_heads:
             mx.eval(parts[-1])
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return out.swapaxes(0, 2)
+
+
+def causal_attention(q, k, v, scale: float, mask, sinks, in_full: bool) -> mx.array:
+    """``mx.fast.scaled_dot_product_attention`` of queries ``(1, H, n, D)``, the last ``n`` of the keys'
+    positions. Where it computes the scores in full (``in_full``) and ``mask`` is causal, it runs in tiles of
+    ``QUERY_TILE`` queries, each over the keys up to its last query: about half the scores of one call for a
+    chunk with no context before it, less with more."""
+    n = q.shape[2]
+    if not in_full or not isinstance(mask, str) or n <= QUERY_TILE:
+        return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask, sinks=sinks)
+    past = k.shape[2] - n  # keys before the first query
+    tiles = []
+    for first in range(0, n, QUERY_TILE):
+        end = past + min(first + QUERY_TILE, n)  # "causal" masks each tile's keys from its bottom right
+        tile = q[:, :, first : first + QUERY_TILE]
+        tiles.append(mx.fast.scaled_dot_product_attention(tile, k[:, :, :end], v[:, :, :end], scale=scale,
+                                                          mask="causal", sinks=sinks))  # fmt: skip
+    return mx.concatenate(tiles, axis=2)
 
 
 def tiled_prefill_attention(
