@@ -15,7 +15,7 @@ import pytest
 
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
-from llm_paged_mlx.kernels.portable import QUERY_TILE, PortableKernel, causal_attention, decode_attention
+from llm_paged_mlx.kernels.portable import QUERY_TILE, PortableKernel, chunk_attention, decode_attention
 
 BIG = 1e30  # stands in for stale K/V that the portable kernel reads but must mask
 
@@ -195,7 +195,7 @@ def test_row_tables_agree_with_the_reference_rows():
 
 @pytest.mark.parametrize("sinks", [False, True])
 @pytest.mark.parametrize("n,past", [(QUERY_TILE + 1, 0), (2 * QUERY_TILE + 37, 100), (QUERY_TILE, 50)])
-def test_causal_attention_in_query_tiles_equals_one_call(n, past, sinks, monkeypatch):
+def test_chunk_attention_in_query_tiles_equals_one_call(n, past, sinks, monkeypatch):
     """Tiles of queries, each over the keys up to its last query, give one causal call's values; a chunk after
     ``past`` keys of context included."""
     key = mx.random.key(3)
@@ -212,7 +212,7 @@ def test_causal_attention_in_query_tiles_equals_one_call(n, past, sinks, monkeyp
         return attention(q, k, v, **kwargs)
 
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention", recorded)
-    got = causal_attention(q, k, v, 0.2, "causal", sink_logits, in_full=True)
+    got = chunk_attention(q, k, v, 0.2, "causal", sink_logits, in_full=True)
     assert got.shape == want.shape
     assert mx.allclose(got, want, rtol=1e-5, atol=1e-6).item()
     ends = [min(first + QUERY_TILE, n) for first in range(0, n, QUERY_TILE)]

@@ -89,6 +89,29 @@ def test_routes_that_give_other_values_warn_and_are_not_taken(monkeypatch):
     assert quantized_rows.dequantized_bytes(model.layers[0]) == 0
 
 
+def test_a_route_check_that_fails_warns_and_leaves_mlx_s_product(monkeypatch):
+    """A check that raises (a kernel MLX lacks, say) warns once and turns the routes off; Ctrl-C passes through
+    and leaves no verdict, so the next load checks again."""
+    unfolded, model = routed_model(mx.bfloat16, monkeypatch)
+
+    def interrupted(layer):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(quantized_rows, "_agrees", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        fold_quantized_rows(copy.deepcopy(model))
+    assert quantized_rows._routes_agree == {}
+
+    def broken(layer):
+        raise RuntimeError("no implementation for this shape")
+
+    monkeypatch.setattr(quantized_rows, "_agrees", broken)
+    with pytest.warns(RuntimeWarning, match=r"quantized products by rows failed \(no implementation"):
+        fold_quantized_rows(model)
+    x = mx.random.normal((DEQUANTIZED_ROWS, 1, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(model.layers[0](x), unfolded.layers[0](x)).item()
+
+
 def test_only_affine_quantization_takes_routes(monkeypatch):
     """Other modes (scales of their own dtype, as mxfp4's) keep MLX's quantized product, with no warning."""
     monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)

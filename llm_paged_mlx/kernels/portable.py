@@ -207,6 +207,7 @@ def grouped_prefill_attention(
         mask = visible_keys(queries_at, mx.arange(start, context_len)[None], window)
     else:
         mask = "causal" if n > 1 else None
+    in_full = not fused_prefill(n, k_pool, v_pool)  # scores computed in full: causal chunks go in query tiles
     parts = []
     for first in range(0, kv_heads, heads):
         group = slice(first, min(first + heads, kv_heads))
@@ -218,14 +219,14 @@ def grouped_prefill_attention(
         q_group = slice(group.start * rep, group.stop * rep)
         q = queries[:, q_group].swapaxes(0, 2)  # (1, Hq of the group, n, D)
         group_sinks = None if sinks is None else sinks[q_group]
-        parts.append(causal_attention(q, k, v, scale, mask, group_sinks, in_full=not fused_prefill(n, k_pool, v_pool)))
+        parts.append(chunk_attention(q, k, v, scale, mask, group_sinks, in_full))
         if heads < kv_heads:
             mx.eval(parts[-1])
     out = parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=1)
     return out.swapaxes(0, 2)
 
 
-def causal_attention(q, k, v, scale: float, mask, sinks, in_full: bool) -> mx.array:
+def chunk_attention(q, k, v, scale: float, mask, sinks, in_full: bool) -> mx.array:
     """``mx.fast.scaled_dot_product_attention`` of queries ``(1, H, n, D)``, the last ``n`` of the keys'
     positions. Where it computes the scores in full (``in_full``) and ``mask`` is causal, it runs in tiles of
     ``QUERY_TILE`` queries, each over the keys up to its last query: about half the scores of one call for a

@@ -84,7 +84,8 @@ def _route_key(layer: nn.Module) -> tuple:
 
 
 def _routes_on(layer: nn.Module) -> bool:
-    return routes_by_rows() and _routes_agree.get(_route_key(layer), False)
+    # Called for every product: no verdict yet (the CPU, Metal) answers at once.
+    return bool(_routes_agree) and routes_by_rows() and _routes_agree.get(_route_key(layer), False)
 
 
 def check_routes(layer: nn.Module) -> bool:
