@@ -3,10 +3,14 @@
     PYTHONPATH=. python3 benchmarks/one_stream.py [--models qwen3-0.6b llama-8b] [--bits none 4] [--smollm2]
 
 For each random-weight model (bf16, or with ``--bits 4`` 4-bit weights, group 64), or with ``--smollm2``
-the real SmolLM2-135M (float32, and ``--bits 4``: its 4-bit GGUF weights; the CPU's case), one prompt of 64-128 tokens and ``--new-tokens`` new tokens (EOS ignored): tokens
+the real SmolLM2-135M (float32, and ``--bits 4``: its 4-bit GGUF weights; the CPU's case), a prompt of
+64-128 tokens (a new one each round, so the engine's prefix cache holds none of it) and ``--new-tokens`` new
+tokens (EOS ignored): tokens
 per second of the whole answer (its prefill included), mlx-lm's greedy ``generate_step`` and the engine
 (one request on one ``Engine``, as ``llm -m`` runs it) in alternation, one warm-up each, medians of
-``--rounds``.
+``--rounds``. ``--timeline`` also prints where each system's time went in its last round: the first token,
+the median gap between tokens, the 90th percentile and the largest, and the time lost to gaps over 1.5
+times the median.
 """
 
 import argparse
@@ -42,16 +46,30 @@ def load(name: str, bits: str):
     return model, config["vocab_size"]
 
 
-def mlx_lm_tps(model, prompt, new_tokens: int) -> float:
-    start = time.perf_counter()
-    count = sum(1 for _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens, sampler=lambda x: mx.argmax(x, -1)))
-    return count / (time.perf_counter() - start)
+def mlx_lm_times(model, prompt, new_tokens: int) -> list[float]:
+    """Seconds from the start to each token of one answer."""
+    start, times = time.perf_counter(), []
+    for _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens, sampler=lambda x: mx.argmax(x, -1)):
+        times.append(time.perf_counter() - start)
+    return times
 
 
-def engine_tps(engine, prompt, new_tokens: int) -> float:
-    start = time.perf_counter()
-    (out,) = engine.generate([prompt], SamplingParams(max_tokens=new_tokens, ignore_eos=True))
-    return len(out.token_ids) / (time.perf_counter() - start)
+def engine_times(engine, prompt, new_tokens: int) -> list[float]:
+    """Seconds from the start to each token of one answer, read as ``llm -m`` reads them (``Engine.stream``)."""
+    start, times = time.perf_counter(), []
+    for chunk in engine.stream(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        now = time.perf_counter() - start
+        times += [now] * len(chunk.token_ids)
+    return times
+
+
+def timeline(name: str, times: list[float]) -> str:
+    gaps = sorted(b - a for a, b in zip(times, times[1:]))
+    median = statistics.median(gaps)
+    lost = sum(g - median for g in gaps if g > 1.5 * median)
+    return (f"{name}: first token {1000 * times[0]:.1f} ms, then median {1000 * median:.2f} ms, 90th percentile "
+            f"{1000 * gaps[int(0.9 * len(gaps))]:.2f}, largest {1000 * gaps[-1]:.2f}, lost to gaps over 1.5x the "
+            f"median {1000 * lost:.1f} ms of {1000 * times[-1]:.1f}")
 
 
 def main():
@@ -61,25 +79,30 @@ def main():
     parser.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M instead (the CPU)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--timeline", action="store_true", help="where each system's time went in its last round")
     args = parser.parse_args()
-    print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, one prompt of 64-128 "
-          f"tokens, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
+    print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, a new prompt of 64-128 "
+          f"tokens a round, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
     print("| model | weights | mlx-lm generate_step | engine | engine / mlx-lm |")
     print("|---|---|---:|---:|---:|")
+    lines = []
     for name in ["smollm2"] if args.smollm2 else args.models:
         for bits in args.bits:
             model, vocab = load(name, bits)
             baseline, _ = load(name, bits)  # mlx-lm's own: an engine on a GPU merges its model's projections
-            prompt = prompts_for(1, vocab, 1, 64, 128)[0]
+            prompts = prompts_for(args.rounds + 1, vocab, 1, 64, 128)  # a new one each round: no prefix cache hit
             engine = Engine(model, kv_budget_bytes=4 * 2**30)
             theirs, ours = [], []
             for round in range(args.rounds + 1):  # the first is a warm-up
-                theirs.append(mlx_lm_tps(baseline, prompt, args.new_tokens))
-                ours.append(engine_tps(engine, prompt, args.new_tokens))
-            theirs, ours = statistics.median(theirs[1:]), statistics.median(ours[1:])
+                theirs.append(mlx_lm_times(baseline, prompts[round], args.new_tokens))
+                ours.append(engine_times(engine, prompts[round], args.new_tokens))
             weights = f"{bits}-bit" if bits != "none" else ("float32" if args.smollm2 else "bf16")
+            if args.timeline:
+                lines += [f"{name} {weights}, " + timeline(n, t[-1]) for n, t in (("mlx-lm", theirs), ("engine", ours))]
+            theirs, ours = (statistics.median(len(t) / t[-1] for t in runs[1:]) for runs in (theirs, ours))
             print(f"| {name} | {weights} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |", flush=True)
             del model, baseline, engine
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":
