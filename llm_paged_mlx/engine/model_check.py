@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
 from .. import files
-from ..kernels.dialect import read_template
+from ..kernels.dialect import source_dir
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS
 from ..models.paged_cache import architecture, float32_attention, model_config
 from .request import Request, SamplingParams
@@ -42,7 +42,7 @@ DECODE_STEPS = 3
 
 _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the reason for refusing
 _UNKNOWN = object()
-# The code whose behaviour a verdict is about (with the kernel template): a change makes every verdict new.
+# The code whose behaviour a verdict is about (with the kernels' sources): a change makes every verdict new.
 _OWN_SOURCES = (
     "engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/softcapped.py",
     "models/state_cache.py", "models/latent_shape.py", "models/merged_projections.py",
@@ -109,7 +109,9 @@ def fingerprint(model, runner) -> str:
 def _own_code() -> str:
     """A hash of this package's code that the paged path runs."""
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256(read_template().encode())
+    digest = hashlib.sha256()
+    for path in sorted(source_dir().iterdir()):  # the kernels' sources
+        digest.update(path.name.encode() + path.read_bytes())
     for pattern in _OWN_SOURCES:
         for path in sorted(root.glob(pattern)):
             digest.update(path.name.encode() + path.read_bytes())
