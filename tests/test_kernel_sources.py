@@ -7,6 +7,7 @@ import subprocess
 import mlx.core as mx
 import pytest
 
+from llm_paged_mlx.kernels import quantized_matvec
 from llm_paged_mlx.kernels.dialect import (
     CUDA,
     DIALECTS,
@@ -14,6 +15,7 @@ from llm_paged_mlx.kernels.dialect import (
     METAL,
     TEMPLATE,
     WRITE_TEMPLATE,
+    KernelSource,
     read_template,
     render,
     split_kernels,
@@ -179,6 +181,27 @@ def cuda_source(kernel, params: dict, constants: dict) -> str:
     return f"__global__ void {kernel.name}({', '.join(args)}) {{\n{values}{kernel.source}}}\n"
 
 
+# What mx.fast.cuda_kernel's own header gives a kernel, as far as ours use it.
+CUDA_PREAMBLE = (
+    "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
+    "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
+)
+
+
+def compile_with_nvcc(tmp_path, sources: list[str], *flags: str) -> list[str]:
+    """nvcc's output for each source, compiled for sm_90 side by side; each must compile without a warning."""
+    jobs = []
+    for i, source in enumerate(sources):
+        (tmp_path / f"k{i}.cu").write_text(source)
+        command = ["nvcc", "-arch=sm_90", *flags, "-c", f"k{i}.cu", "-o", f"k{i}.o"]
+        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        jobs.append(subprocess.Popen(command, cwd=tmp_path, **pipes))
+    outputs = [job.communicate(timeout=300)[0] for job in jobs]
+    for job, output in zip(jobs, outputs):
+        assert job.returncode == 0 and "warning" not in output, output
+    return outputs
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_rendering_compiles_with_nvcc(tmp_path):
     """Wraps each variant's CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90.
@@ -193,8 +216,8 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False),
         (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True),
     ]
-    jobs = []
-    for i, (bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap) in enumerate(cases):
+    sources = []
+    for bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap in cases:
         kernels = kernel_sources(read_template(), CUDA, bits, group)
         ctype = CUDA_TYPES[dtype]
         params = dict.fromkeys(["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases"], ctype)
@@ -204,9 +227,8 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         params.update(params="float", part_m="float", part_l="float")
         masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
         constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=4, ONE=one, **masking)
-        source = (
-            "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-            "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
+        sources.append(
+            CUDA_PREAMBLE
             + kernels["partition"].header
             + cuda_source(kernels["partition"], {**params, "part_out": ctype if one else "float"}, constants)
             + cuda_source(
@@ -215,15 +237,8 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
                 dict(T=dtype, D=dim, PART=512, **masking),
             )
         )
-        (tmp_path / f"k{i}.cu").write_text(source)
-        # 177: a variable declared and never used (the prelude's pa_group_x in the reduce kernel)
-        command = ["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-c", f"k{i}.cu", "-o", f"k{i}.o"]
-        pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        jobs.append(subprocess.Popen(command, cwd=tmp_path, **pipes))
-    for case, job in zip(cases, jobs):
-        output, _ = job.communicate(timeout=300)
-        assert job.returncode == 0, (case, output)
-        assert "warning" not in output, (case, output)
+    # 177: a variable declared and never used (the prelude's pa_group_x in the reduce kernel)
+    compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177")
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
@@ -240,12 +255,7 @@ def test_cuda_rendering_of_the_latent_kernel_compiles_with_nvcc(tmp_path):
         params = dict(queries=ctype, pool=ctype, block_tables="int32_t", context_lens="int32_t", params="float")
         params.update(part_out="float", part_m="float", part_l="float")
         constants = dict(T=dtype, D=row, DV=latent, BS=block, HM=CUDA.tile, PART=256, NW=4)
-        (tmp_path / f"k{i}.cu").write_text(
-            "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
-            "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
-            + source.header
-            + cuda_source(source, params, constants)
-        )
+        (tmp_path / f"k{i}.cu").write_text(CUDA_PREAMBLE + source.header + cuda_source(source, params, constants))
         command = f"nvcc -arch=sm_90 -ptx k{i}.cu -o k{i}.ptx && nvcc -arch=sm_90 -Xptxas -v -c k{i}.cu -o k{i}.o"
         jobs.append(subprocess.Popen(command, shell=True, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True))  # fmt: skip
@@ -290,3 +300,21 @@ def test_only_the_cuda_kernels_write_k_v_in_place():
     assert CudaKernel.in_place_writes and not MetalKernel.in_place_writes
     args = [None] * 8
     assert MetalKernel().write_and_attend(*args, scale=1.0) is None
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_quantized_matvec_kernel_compiles_with_nvcc_without_spills(tmp_path):
+    """csrc/quantized_matvec.cu (CUDA only), wrapped as mx.fast.cuda_kernel wraps it, for the rows the engine
+    gives it and more, each dtype and both widths of code."""
+    header, body = quantized_matvec.source()
+    kernel = KernelSource("quantized_matvec", ["x", "w", "scales", "biases"], ["y"], header, body)
+    sources = []
+    for dtype, bits, group, rows in [(mx.bfloat16, 4, 64, 1), (mx.bfloat16, 4, 64, 2), (mx.float16, 8, 32, 5),
+                                     (mx.float32, 4, 128, 8)]:  # fmt: skip
+        ctype = CUDA_TYPES[dtype]
+        params = dict(x=ctype, w="uint32_t", scales=ctype, biases=ctype, y=ctype)
+        outputs = quantized_matvec.outputs_per_simd_group(rows)
+        constants = dict(T=dtype, BITS=bits, GROUP=group, ROWS=rows, OUTS=outputs, NT=quantized_matvec.THREADS)
+        sources.append(CUDA_PREAMBLE + header + cuda_source(kernel, params, constants))
+    for output in compile_with_nvcc(tmp_path, sources, "-Xptxas", "-v"):
+        assert "0 bytes spill stores" in output, output

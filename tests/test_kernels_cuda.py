@@ -18,12 +18,13 @@ from test_kernels import make_case, make_plan, reference, rel_error
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import engine as engine_module
 from llm_paged_mlx.engine.runner import ModelRunner
-from llm_paged_mlx.kernels import select_kernel
+from llm_paged_mlx.kernels import quantized_matvec, select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
+from llm_paged_mlx.models import quantized_rows
 from llm_paged_mlx.models.merged_projections import MergedPart
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
@@ -531,3 +532,42 @@ def test_an_engine_on_the_gpu_merges_projections_and_gives_the_tokens_of_unmerge
     assert type(unmerged.layers[0].self_attn.q_proj) is not MergedPart
     assert all(got[:20] == want[:20] for got, want in zip(merged, separate))
     assert sum(got == want for got, want in zip(merged, separate)) >= len(prompts) - 1
+
+
+@pytest.mark.parametrize("dtype,bits,group_size", [
+    (mx.bfloat16, 4, 64), (mx.float16, 4, 32), (mx.float32, 4, 128), (mx.bfloat16, 8, 64), (mx.float16, 8, 32),
+])  # fmt: skip
+def test_quantized_matvec_gives_the_product_of_the_dequantized_weights(bits, group_size, dtype):
+    """The rows the engine gives it (1 and 2) and more (5: fewer outputs a simd group), outputs that fill no whole
+    simd group (N = 1000), inputs that are not a multiple of a simd group's 1024 values (K = 1280), and one row
+    that starts one value into an array (read a value at a time); against float64."""
+    k, n = 1280, 1000
+    mx.random.seed(bits + group_size)
+    w = mx.random.normal((n, k)).astype(dtype)
+    packed = mx.quantize(w, group_size=group_size, bits=bits)
+    exact = np.asarray(mx.dequantize(*packed, group_size=group_size, bits=bits, dtype=mx.float32), dtype=np.float64)
+    inputs = [mx.random.normal((rows, k)).astype(dtype) for rows in (1, 2, 5)]
+    inputs.append(mx.random.normal((1, k + 1)).astype(dtype)[:, 1:])
+    for x in inputs:
+        got = quantized_matvec.quantized_matvec(x, *packed, bits, group_size)
+        want = np.asarray(x.astype(mx.float32), dtype=np.float64) @ exact.T
+        assert got.shape == want.shape and got.dtype == dtype
+        error = np.linalg.norm(np.asarray(got.astype(mx.float32), dtype=np.float64) - want) / np.linalg.norm(want)
+        assert error <= LIMIT[dtype], (x.shape, error)
+
+
+def test_a_4_bit_engine_on_the_gpu_takes_the_matvec_kernel_and_gives_mlx_lm_s_tokens(monkeypatch):
+    """One stream of a model whose products take the kernel (its threshold lowered to the tiny model's sizes):
+    the tokens of mlx-lm's own loop on the same weights, in float32."""
+    monkeypatch.setattr(quantized_rows, "MATVEC_MIN_WEIGHTS", 1)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    calls = []
+    real = quantized_rows.quantized_matvec
+    monkeypatch.setattr(quantized_rows, "quantized_matvec", lambda *a: calls.append(a[0].shape) or real(*a))
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    unfolded = copy.deepcopy(model)
+    prompt = random_prompts([40], seed=4)[0]
+    (out,) = Engine(model).generate([prompt], SamplingParams(max_tokens=12))
+    assert calls and all(shape[0] <= quantized_rows.MATVEC_ROWS for shape in calls)
+    assert out.token_ids == mlx_lm_tokens(unfolded, prompt, 12)

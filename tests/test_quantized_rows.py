@@ -1,6 +1,7 @@
 """Quantized linear and MLA per-head layers fold a step's rows into one matrix product (models/quantized_rows.py)."""
 
 import copy
+import dataclasses
 import warnings
 
 import mlx.core as mx
@@ -15,6 +16,7 @@ from llm_paged_mlx.models import quantized_rows
 from llm_paged_mlx.models.merged_projections import merge_projections
 from llm_paged_mlx.models.quantized_rows import (
     DEQUANTIZED_ROWS,
+    MATVEC_ROWS,
     PADDED_ROWS,
     RowFoldedMultiLinear,
     RowFoldedQuantizedEmbedding,
@@ -81,12 +83,81 @@ def test_products_by_rows_take_routes_that_give_the_quantized_product(rows, dtyp
 
 def test_routes_that_give_other_values_warn_and_are_not_taken(monkeypatch):
     unfolded, model = routed_model(mx.bfloat16, monkeypatch)
-    monkeypatch.setattr(quantized_rows, "_routed", lambda layer, x: 2 * quantized_rows._quantized_product(layer, x))
-    with pytest.warns(RuntimeWarning, match="quantized products by rows gave other values"):
+    for name, route in list(quantized_rows.ROUTES.items()):
+        wrong = lambda layer, x: 2 * quantized_rows._quantized_product(layer, x)  # noqa: E731
+        monkeypatch.setitem(quantized_rows.ROUTES, name, dataclasses.replace(route, product=wrong))
+    with pytest.warns(RuntimeWarning, match=r"quantized products by rows \(dequantized\) gave other values"):
         fold_quantized_rows(model)
-    x = mx.random.normal((DEQUANTIZED_ROWS, 1, 128)).astype(mx.bfloat16)
-    assert mx.array_equal(model.layers[0](x), unfolded.layers[0](x)).item()
+    for rows in (3, DEQUANTIZED_ROWS):
+        x = mx.random.normal((rows, 1, 128)).astype(mx.bfloat16)
+        assert mx.array_equal(model.layers[0](x), unfolded.layers[0](x)).item()
     assert quantized_rows.dequantized_bytes(model.layers[0]) == 0
+
+
+def stand_in_matvec(calls: list):
+    """The matvec kernel's product as MLX computes it (float32 over the dequantized weights), counting its calls:
+    the CPU has no CUDA to run the kernel."""
+
+    def matvec(x, w, scales, biases, bits, group_size):
+        calls.append(x.shape)
+        exact = mx.dequantize(w, scales, biases, group_size=group_size, bits=bits, dtype=mx.float32)
+        return (x.astype(mx.float32) @ exact.T).astype(x.dtype)
+
+    return matvec
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_few_rows_of_large_weights_take_the_matvec_kernel_once_it_passes_its_check(dtype, monkeypatch):
+    """Up to MATVEC_ROWS rows of the scales' dtype, 2-D or folded, by weights of MATVEC_MIN_WEIGHTS values or more;
+    more rows, rows of another dtype, or smaller weights do not."""
+    unfolded, model = routed_model(dtype, monkeypatch)
+    calls = []
+    monkeypatch.setattr(quantized_rows, "matvec_available", lambda: True)
+    monkeypatch.setattr(quantized_rows, "quantized_matvec", stand_in_matvec(calls))
+    monkeypatch.setattr(quantized_rows, "MATVEC_MIN_WEIGHTS", 96 * 128)  # both layers' weights: 96 x 128 values
+    fold_quantized_rows(model)
+    # the check, once for both layers' quantization: fresh rows, and rows one value into an array
+    assert calls == [(1, 128), (1, 128), (MATVEC_ROWS, 128), (MATVEC_ROWS, 128)]
+    for shape in [(1, 1, 128), (MATVEC_ROWS, 1, 128), (MATVEC_ROWS, 128)]:
+        calls.clear()
+        x = mx.random.normal(shape).astype(dtype)
+        got, want = model.layers[0](x), unfolded.layers[0](x)
+        assert calls == [(x.size // 128, 128)]
+        assert got.shape == want.shape and got.dtype == want.dtype
+        tolerance = 1e-5 if dtype == mx.float32 else 3e-2
+        got, want = got.astype(mx.float32), want.astype(mx.float32)
+        assert (mx.linalg.norm(got - want) <= tolerance * mx.linalg.norm(want)).item()
+    calls.clear()
+    model.layers[0](mx.random.normal((MATVEC_ROWS + 1, 1, 128)).astype(dtype))
+    other = mx.float16 if dtype == mx.bfloat16 else mx.bfloat16
+    model.layers[0](mx.random.normal((1, 1, 128)).astype(other))
+    model.layers[0](mx.zeros((0, 1, 128), dtype))  # no row: a step whose rows all continue a prompt
+    monkeypatch.setattr(quantized_rows, "MATVEC_MIN_WEIGHTS", 96 * 128 + 1)
+    model.layers[0](mx.random.normal((1, 1, 128)).astype(dtype))
+    assert calls == []
+
+
+def test_a_small_layer_checked_first_leaves_the_matvec_kernel_to_large_ones(monkeypatch):
+    """A verdict holds for a quantization, whatever a layer's size: a tied output head (an embedding's weights,
+    checked last) takes the kernel though a smaller layer of the same quantization was checked first."""
+    mx.random.seed(2)
+    model = nn.Sequential(nn.Linear(128, 16), nn.Embedding(96, 128))
+    nn.quantize(model, group_size=32, bits=4)
+    unfolded = copy.deepcopy(model)
+    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    monkeypatch.setattr(quantized_rows, "matvec_available", lambda: True)
+    calls = []
+    monkeypatch.setattr(quantized_rows, "quantized_matvec", stand_in_matvec(calls))
+    monkeypatch.setattr(quantized_rows, "MATVEC_MIN_WEIGHTS", 96 * 128)
+    fold_quantized_rows(model)
+    calls.clear()
+    x = mx.random.normal((1, 1, 128))
+    model.layers[0](x)
+    assert calls == []  # 16 x 128 weights: MLX's product
+    got = model.layers[1].as_linear(x)
+    assert calls == [(1, 128)]
+    assert mx.allclose(got, unfolded.layers[1].as_linear(x), atol=1e-5).item()
 
 
 def test_a_route_check_that_fails_warns_and_leaves_mlx_s_product(monkeypatch):
@@ -94,7 +165,7 @@ def test_a_route_check_that_fails_warns_and_leaves_mlx_s_product(monkeypatch):
     and leaves no verdict, so the next load checks again."""
     unfolded, model = routed_model(mx.bfloat16, monkeypatch)
 
-    def interrupted(layer):
+    def interrupted(layer, route):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(quantized_rows, "_agrees", interrupted)
@@ -102,11 +173,11 @@ def test_a_route_check_that_fails_warns_and_leaves_mlx_s_product(monkeypatch):
         fold_quantized_rows(copy.deepcopy(model))
     assert quantized_rows._routes_agree == {}
 
-    def broken(layer):
+    def broken(layer, route):
         raise RuntimeError("no implementation for this shape")
 
     monkeypatch.setattr(quantized_rows, "_agrees", broken)
-    with pytest.warns(RuntimeWarning, match=r"quantized products by rows failed \(no implementation"):
+    with pytest.warns(RuntimeWarning, match=r"quantized products by rows \(padded\) failed \(no implementation"):
         fold_quantized_rows(model)
     x = mx.random.normal((DEQUANTIZED_ROWS, 1, 128)).astype(mx.bfloat16)
     assert mx.array_equal(model.layers[0](x), unfolded.layers[0](x)).item()

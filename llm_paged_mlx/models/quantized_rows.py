@@ -11,12 +11,15 @@ the shape mlx-lm's own prefill gives it.
 
 On MLX's CUDA backend a quantized linear layer's product also takes the route
 that is fastest for its number of rows (``benchmarks/quantized_matmul_rows.py``):
-2-7 rows go padded to 8 (MLX takes a route three times slower below 8), and
-``DEQUANTIZED_ROWS`` or more (prefill chunks, large batches) in half precision
-multiply the weights dequantized to their dtype, one layer's at a time
-(``dequantized_bytes``: what a step's memory holds for them). The routes are
-checked against the exact product when a model is folded, once per
-quantization, dtype and input width, and not taken on a difference.
+up to ``MATVEC_ROWS`` rows of large weights go through a kernel of this package
+(``kernels.quantized_matvec``: MLX's own reads 4-bit weights at a fraction of
+the memory's rate), other rows below 8 go padded to 8 (MLX
+takes a route three times slower below 8), and ``DEQUANTIZED_ROWS`` or more
+(prefill chunks, large batches) in half precision multiply the weights
+dequantized to their dtype, one layer's at a time (``dequantized_bytes``: what
+a step's memory holds for them). Each route is checked against the exact
+product when a model is folded, once per quantization, dtype and input width,
+and not taken on a difference.
 
 MLA's ``MultiLinear`` (one matrix per head, mlx-lm's ``mla`` module) gets
 queries ``(T, H, 1, D)``, which ``x @ w`` takes as ``T * H`` products of one
@@ -25,20 +28,31 @@ row; folded, they go as ``(1, H, T, D)``: one ``(T, D)`` product per head.
 
 import copy
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.mla import MultiLinear, QuantizedMultiLinear
 
+from ..kernels.quantized_matvec import quantized_matvec
+from ..kernels.quantized_matvec import available as matvec_available
+from ..kernels.quantized_matvec import supports as supports_matvec
+
+# The matvec kernel's products: at most this many rows, of weights of at least this many values (a Llama-8B
+# layer's MLP and the output head; below, MLX's own product is as fast: benchmarks/RESULTS.md).
+MATVEC_ROWS = 2
+MATVEC_MIN_WEIGHTS = 32 * 1024**2
 PADDED_ROWS = 8
 DEQUANTIZED_ROWS = 256
 DEQUANTIZED_DTYPES = (mx.float16, mx.bfloat16)  # CUDA multiplies float32 at TF32's precision: not float32
-CHECK_ROWS = 1024  # output rows of a layer its check multiplies (every input column)
-# A route's check: relative L2 error against the float32 product of the same dequantized weights (a wrong route
-# is off by about 1; MLX's own bfloat16 quantized product, on the CPU, by about 1e-2).
+CHECK_ROWS = 1000  # output rows of a layer its check multiplies (every input column): no multiple of a kernel's tile
+# A route's check: relative L2 error against the float32 product of the same dequantized weights, and no output
+# off by more than that share of the largest (a wrong route is off by about 1; MLX's own bfloat16 quantized
+# product, on the CPU, by about 1e-2).
 CHECK_TOLERANCE = {mx.float32: 5e-3, mx.float16: 2e-2, mx.bfloat16: 5e-2}
 
-_routes_agree: dict[tuple, bool] = {}  # _route_key(layer) -> whether its routes passed their check
+_routes_agree: dict[tuple, dict[str, bool]] = {}  # _route_key(layer) -> {route: whether it passed its check}
 
 
 def routes_by_rows() -> bool:
@@ -65,16 +79,69 @@ def _quantized_product(layer: nn.Module, x: mx.array) -> mx.array:
     return mx.quantized_matmul(x, *_weights(layer), transpose=True, **_quantization(layer))
 
 
+def _rows(x: mx.array) -> int:
+    return x.size // x.shape[-1]
+
+
+def _matvec(layer: nn.Module, x: mx.array) -> mx.array:
+    out = quantized_matvec(x.reshape(_rows(x), x.shape[-1]), *_weights(layer), layer.bits, layer.group_size)
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _padded(layer: nn.Module, x: mx.array) -> mx.array:
+    rows = _rows(x)
+    flat = x.reshape(rows, x.shape[-1])
+    padded = mx.concatenate([flat, mx.zeros((PADDED_ROWS - rows, x.shape[-1]), x.dtype)])
+    out = _quantized_product(layer, padded[None])[0, :rows]
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _dequantized(layer: nn.Module, x: mx.array) -> mx.array:
+    return x @ mx.dequantize(*_weights(layer), **_quantization(layer), dtype=x.dtype).T
+
+
+def _takes_matvec(layer: nn.Module, x: mx.array) -> bool:
+    return (
+        1 <= _rows(x) <= MATVEC_ROWS
+        and matvec_available()
+        and x.dtype == layer.scales.dtype
+        and supports_matvec(layer.bits, layer.group_size, x.dtype, x.shape[-1])
+    )
+
+
+def _matvec_pays(layer: nn.Module) -> bool:
+    return layer.weight.shape[0] * layer.weight.shape[1] * 32 // layer.bits >= MATVEC_MIN_WEIGHTS
+
+
+def _takes_dequantized(layer: nn.Module, x: mx.array) -> bool:
+    return _rows(x) >= DEQUANTIZED_ROWS and x.dtype == layer.scales.dtype and x.dtype in DEQUANTIZED_DTYPES
+
+
+@dataclass(frozen=True)
+class Route:
+    """A way to multiply: whether it computes a product (by its rows and dtypes, what its check covers), the
+    product, the rows its check multiplies, and whether it is the faster way for a layer's weights."""
+
+    takes: Callable[[nn.Module, mx.array], bool]
+    product: Callable[[nn.Module, mx.array], mx.array]
+    check_rows: tuple[int, ...]
+    pays: Callable[[nn.Module], bool] = lambda layer: True
+
+
+# A product takes the first route that takes it, passed its check and pays, else MLX's quantized product.
+ROUTES = {
+    "matvec": Route(_takes_matvec, _matvec, (1, MATVEC_ROWS), _matvec_pays),
+    "padded": Route(lambda layer, x: 1 < _rows(x) < PADDED_ROWS, _padded, (3,)),
+    "dequantized": Route(_takes_dequantized, _dequantized, (DEQUANTIZED_ROWS,)),
+}
+
+
 def _routed(layer: nn.Module, x: mx.array) -> mx.array:
-    """``x @ W.T`` by the route for x's rows: 2-7 folded rows ``(1, T, K)`` padded to ``PADDED_ROWS``,
-    ``DEQUANTIZED_ROWS`` or more of the weights' own half-precision dtype through the dequantized weights,
-    others (2-D inputs of few rows too) MLX's quantized product."""
-    rows = x.size // x.shape[-1]
-    if x.ndim == 3 and 1 < rows < PADDED_ROWS:
-        padded = mx.concatenate([x, mx.zeros((1, PADDED_ROWS - rows, x.shape[-1]), x.dtype)], axis=1)
-        return _quantized_product(layer, padded)[:, :rows]
-    if rows >= DEQUANTIZED_ROWS and x.dtype == layer.scales.dtype and x.dtype in DEQUANTIZED_DTYPES:
-        return x @ mx.dequantize(*_weights(layer), **_quantization(layer), dtype=x.dtype).T
+    """``x @ W.T`` by the first route that takes x's rows and passed its check, else MLX's quantized product."""
+    passed = _routes_agree[_route_key(layer)]
+    for name, route in ROUTES.items():
+        if passed[name] and route.takes(layer, x) and route.pays(layer):
+            return route.product(layer, x)
     return _quantized_product(layer, x)
 
 
@@ -85,50 +152,69 @@ def _route_key(layer: nn.Module) -> tuple:
 
 def _routes_on(layer: nn.Module) -> bool:
     # Called for every product: no verdict yet (the CPU, Metal) answers at once.
-    return bool(_routes_agree) and routes_by_rows() and _routes_agree.get(_route_key(layer), False)
+    return bool(_routes_agree) and routes_by_rows() and _route_key(layer) in _routes_agree
 
 
 def check_routes(layer: nn.Module) -> bool:
-    """Whether the routes by rows give ``layer``'s product up to rounding, on random rows (against the float32
-    product of its dequantized weights, over its first ``CHECK_ROWS`` outputs): checked once per quantization,
-    dtype and input width; a difference (or an error) warns, and MLX's quantized product stays. Only affine
+    """Whether some route by rows gives ``layer``'s product up to rounding, on random rows (against the float32
+    product of its dequantized weights, over its first ``CHECK_ROWS`` outputs): each route is checked once per
+    quantization, dtype and input width; one that differs (or fails) warns, and is not taken. Only affine
     quantization (scales of the model's dtype) is routed."""
     key = _route_key(layer)
     if layer.mode != "affine":
         return False
     if key not in _routes_agree:
-        try:
-            _routes_agree[key] = _agrees(layer)
-            problem = "gave other values"
-        except Exception as exc:  # any failure means "don't use them"
-            _routes_agree[key], problem = False, f"failed ({exc})"
-        if not _routes_agree[key]:
-            warnings.warn(f"quantized products by rows {problem} for group size {key[0]}, {key[1]} bits, "
-                          f"{key[3]}, {key[4] * 32 // key[1]} inputs: MLX's quantized product is used",
-                          RuntimeWarning, stacklevel=2)  # fmt: skip
-    return _routes_agree[key]
+        passed = {}
+        for name in ROUTES:
+            try:
+                agrees = _agrees(layer, name)
+                problem = "gave other values"
+            except Exception as exc:  # any failure means "don't use it"
+                agrees, problem = False, f"failed ({exc})"
+            passed[name] = bool(agrees)
+            if agrees is False:
+                warnings.warn(f"quantized products by rows ({name}) {problem} for group size {key[0]}, {key[1]} "
+                              f"bits, {key[3]}, {key[4] * 32 // key[1]} inputs: MLX's quantized product is used "
+                              "there", RuntimeWarning, stacklevel=2)  # fmt: skip
+        _routes_agree[key] = passed
+    return any(_routes_agree[key].values())
 
 
-def _agrees(layer: nn.Module) -> bool:
+def _agrees(layer: nn.Module, name: str):
+    """Whether route ``name`` gives the product on its check's rows (fresh ones, and rows that start one value
+    into an array, which a kernel may get at any address); None where it takes none of them."""
+    route = ROUTES[name]
     probe = copy.copy(layer)  # the same settings, its first output rows
-    probe.update({name: value[:CHECK_ROWS] for name, value in zip(("weight", "scales", "biases"), _weights(layer))
+    probe.update({part: value[:CHECK_ROWS] for part, value in zip(("weight", "scales", "biases"), _weights(layer))
                   if value is not None})  # fmt: skip
     dtype = layer.scales.dtype
+    tolerance = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[mx.float16])
     exact = mx.dequantize(*_weights(probe), **_quantization(probe), dtype=mx.float32)
-    for rows in (3, DEQUANTIZED_ROWS):
-        x = mx.random.normal((1, rows, exact.shape[1]), key=mx.random.key(0)).astype(dtype)
-        want = x.astype(mx.float32) @ exact.T
-        difference = _routed(probe, x).astype(mx.float32) - want
-        bound = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[mx.float16]) ** 2 * (want * want).sum()
-        if not ((difference * difference).sum() <= bound).item():
-            return False
-    return True
+    width = exact.shape[1]
+    taken = False
+    for rows in route.check_rows:
+        key = mx.random.key(rows)
+        fresh = mx.random.normal((1, rows, width), key=key).astype(dtype)
+        offset = mx.random.normal((rows, width + 1), key=key).astype(dtype)[None, :, 1:]
+        for x in (fresh, offset):
+            if not route.takes(probe, x):
+                continue
+            taken = True
+            want = x.astype(mx.float32) @ exact.T
+            difference = route.product(probe, x).astype(mx.float32) - want
+            close = (difference * difference).sum() <= tolerance**2 * (want * want).sum()
+            bounded = mx.abs(difference).max() <= tolerance * mx.abs(want).max()  # no output far off
+            if not (close & bounded).item():
+                return False
+    return True if taken else None
 
 
 def dequantized_bytes(layer: nn.Module) -> int:
     """The bytes of ``layer``'s weights as a step may dequantize them (0: never dequantized)."""
     folded = isinstance(layer, (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding))
     if not folded or layer.scales.dtype not in DEQUANTIZED_DTYPES or not _routes_on(layer):
+        return 0
+    if not _routes_agree[_route_key(layer)]["dequantized"]:
         return 0
     rows, words = layer.weight.shape
     return rows * (words * 32 // layer.bits) * layer.scales.dtype.size
