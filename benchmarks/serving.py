@@ -77,7 +77,7 @@ def start_server(name, model, args, log: Path, decode_concurrency=None):
     """Start a server process; return it and its base URL."""
     port = free_port()
     if name == "paged":
-        cmd = [sys.executable, "-m", "llm_paged_mlx.server", model, "--host", "127.0.0.1",
+        cmd = [sys.executable, "-m", "llm_paged_mlx", "serve", model, "--host", "127.0.0.1",
                "--port", str(port)]
         for kv in args.option:
             cmd += ["-o", *kv.split("=", 1)]

@@ -13,9 +13,9 @@ from pathlib import Path
 import click
 import llm
 
-from . import ranks
+from .parallel import ranks
 from .catalog import BUILTIN_MODELS, builtin_models, fetch_smollm2, imported_dir, kv_disk_dir, registered_models, user_models
-from .engines import ModelLoadError
+from .engines import ModelLoadError, engine_builder
 from .errors import one_line
 from .options import parse_size
 from .user_models import check_name, check_source
@@ -253,7 +253,7 @@ def _follow(model_id: str, options, group) -> None:
     """A rank other than 0: check what rank 0 checks, then ``ranks.replay`` its engine calls."""
     _, _, fetch, _ = _find_model(model_id)
     _parse_options(dict(options))  # the same errors as rank 0's, before rank 0 asks for an engine
-    ranks.replay(model_id, fetch, group)
+    ranks.replay(engine_builder(model_id, fetch, group), group)
 
 
 def _find_model(name: str):

@@ -4,6 +4,9 @@ KV disk tiers the engines share.
 llm registers models again on every ``get_model()``, so loops live here at module
 level, keyed by model id and source. mlx and mlx-lm are imported only when a model
 first runs, on its loop's thread.
+
+``python -m llm_paged_mlx.engines FOLDER MODEL_ID BACKEND SIZE LEAD_PID`` is a
+follower rank of a tensor-parallel group that rank 0 started (``parallel.ranks.lead``).
 """
 
 import threading
@@ -13,6 +16,7 @@ from typing import Callable, Optional
 from .catalog import kv_disk_dir, plugin_dir
 from .engine.loop import EngineLoop
 from .errors import one_line
+from .parallel import ranks
 
 
 class ModelLoadError(RuntimeError):
@@ -42,7 +46,7 @@ def engine_loop(
     with the first engine (``ranks.lead``). With ``group`` (an
     ``mx.distributed`` group this process has joined as its rank 0) it is
     sharded over the group's ranks, which follow this loop's engine calls
-    (``engine.mirror``); ``on_group_failure`` is told once if the group fails.
+    (``parallel.mirror``); ``on_group_failure`` is told once if the group fails.
     """
     size = group.size() if group is not None else tensor_parallel
     with _LOOPS_LOCK:
@@ -73,10 +77,9 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
     doorbell = None  # with ranks this process starts: wakes them for each message (mirror.share)
 
     def build(options: dict, weights):
-        from . import ranks
-        from .engine import mirror
         from .engine.engine import Engine
-        from .engine.tensor_parallel import check_shardable
+        from .parallel import mirror
+        from .parallel.collectives import check_shardable
         from .models.loading import load_model, resolve_model_path
 
         nonlocal group, doorbell
@@ -86,7 +89,7 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
             model, tokenizer = weights or load_model(str(folder), lazy=sharded)  # lazy: each rank reads its shard
             if group is None and sharded:
                 check_shardable(model, tensor_parallel)  # before any other rank starts
-                group, doorbell = ranks.lead(tensor_parallel, str(folder), model_id)
+                group, doorbell = ranks.lead(tensor_parallel, str(folder), model_id, follower=__name__)
             lead = group is not None and group.rank() == 0
             if lead:
                 mirror.announce_build(options, group, doorbell)
@@ -134,3 +137,10 @@ def _close_disk_caches() -> None:
         _DISK_CACHES.clear()
     for cache in caches:
         cache.close()
+
+
+if __name__ == "__main__":
+    import sys
+
+    folder, model_id, backend, size, lead_pid = sys.argv[1:6]
+    ranks.follow(backend, int(size), int(lead_pid), lambda group: engine_builder(model_id, lambda: folder, group))

@@ -14,7 +14,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from llm_paged_mlx import engines, ranks
+from llm_paged_mlx import engines
+from llm_paged_mlx.parallel import ranks
 from llm_paged_mlx.engine.request import SamplingParams
 from llm_paged_mlx.options import PagedOptions, engine_options
 
@@ -31,7 +32,7 @@ def follower_dies(folder: str) -> None:
     loop = engines.engine_loop("tiny", folder, lambda: folder, tensor_parallel=2)
     text = "".join(chunk.text or "" for chunk in loop.submit("Hello", SamplingParams(max_tokens=4), CONFIG))
     print(f"answered: {text!r}", flush=True)
-    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True)
+    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.engines {folder}"], capture_output=True, text=True)
     os.kill(int(follower.stdout.split()[0]), signal.SIGKILL)
     for _ in range(2):
         try:
@@ -47,7 +48,7 @@ def follower_idles(folder: str) -> None:
     over 3 s of rank 0 idle."""
     loop = engines.engine_loop("tiny", folder, lambda: folder, tensor_parallel=2)
     list(loop.submit("Hello", SamplingParams(max_tokens=4), CONFIG))
-    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True)
+    follower = subprocess.run(["pgrep", "-f", f"llm_paged_mlx.engines {folder}"], capture_output=True, text=True)
     stat = Path(f"/proc/{follower.stdout.split()[0]}/stat")
 
     def cpu_seconds() -> float:
@@ -66,7 +67,7 @@ def follower_cannot_start(folder: str) -> None:
     sys.executable = "/bin/false"
     for _ in range(2):
         try:
-            ranks.lead(2, folder, "tiny")
+            ranks.lead(2, folder, "tiny", follower=engines.__name__)
         except ValueError as e:
             report(e)
 
@@ -78,7 +79,7 @@ def follower_dies_joining(folder: str) -> None:
     fake.write_text(f"#!/bin/sh\nprintf '{ranks.READY.decode().strip()}\\n'\n")
     fake.chmod(0o755)
     sys.executable, ranks.JOIN_TIMEOUT_S = str(fake), 3.0
-    ranks.lead(2, folder, "tiny")
+    ranks.lead(2, folder, "tiny", follower=engines.__name__)
     print("joined", flush=True)  # not reached
 
 

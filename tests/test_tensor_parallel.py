@@ -23,7 +23,7 @@ from test_engine import random_prompts, reference
 from test_engine_smollm2 import chat
 
 from llm_paged_mlx import Engine, SamplingParams, cli
-from llm_paged_mlx.engine import mirror
+from llm_paged_mlx.parallel import mirror
 
 RANKS = 2
 HERE = Path(__file__).parent
@@ -170,7 +170,7 @@ class Served:
         (port,) = free_ports(1)
         self.folder, self.url = folder, f"http://127.0.0.1:{port}"
         env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
-        command = [sys.executable, "-m", "llm_paged_mlx.server", str(folder), "--port", str(port),
+        command = [sys.executable, "-m", "llm_paged_mlx", "serve", str(folder), "--port", str(port),
                    "--tensor-parallel", "2", "--backend", "ring", "-o", "kv_budget", "32MB"]  # fmt: skip
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                         start_new_session=True)  # fmt: skip
@@ -269,7 +269,7 @@ LLM = Path(sys.executable).parent / "llm"
 
 def followers_of(folder: Path) -> list[str]:
     """Follower processes still running for ``folder``."""
-    return subprocess.run(["pgrep", "-f", f"llm_paged_mlx.ranks {folder}"], capture_output=True, text=True).stdout.split()
+    return subprocess.run(["pgrep", "-f", f"llm_paged_mlx.engines {folder}"], capture_output=True, text=True).stdout.split()
 
 
 def test_an_llm_prompt_over_two_ranks_gives_mlx_lm_text_and_leaves_no_follower(tmp_path):
@@ -341,7 +341,7 @@ def test_a_follower_ends_once_its_rank_zero_has_ended():
     """A backend does not always notice a peer that is gone, so a follower also watches its parent: here a
     parent that ends at once leaves a watcher that must end (a watcher that does not outlives the run's timeout,
     which bounds a hang)."""
-    watcher = "import sys; from llm_paged_mlx import ranks; ranks._end_with_parent(int(sys.argv[1]))"
+    watcher = "import sys; from llm_paged_mlx.parallel import ranks; ranks._end_with_parent(int(sys.argv[1]))"
     parent = f"import os, subprocess, sys; subprocess.Popen([sys.executable, '-c', {watcher!r}, str(os.getpid())])"
     run = subprocess.run([sys.executable, "-c", parent], env={**os.environ, "MLX_RANK": "1"}, capture_output=True,
                          text=True, timeout=120)  # fmt: skip  (the pipe closes once the watcher has ended too)

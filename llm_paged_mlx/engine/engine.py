@@ -30,7 +30,7 @@ from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups, projects_sampled_rows_only
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
-from .tensor_parallel import (
+from ..parallel.collectives import (
     check_same_options,
     every_rank,
     is_sharded,
@@ -123,7 +123,7 @@ class Engine:
 
     ``tensor_parallel``, a group of processes from ``mx.distributed.init()``,
     shards the model over them with mlx-lm's ``Model.shard`` (see
-    ``engine.tensor_parallel``): every rank runs this same engine on the same
+    ``parallel.collectives``): every rank runs this same engine on the same
     requests in the same order (as one program launched with ``mlx.launch``),
     holds the K/V of its own heads, and gets rank 0's sampled tokens. The disk
     tier, the ``priority`` scheduler and swap policies that may decide

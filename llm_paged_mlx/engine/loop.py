@@ -262,7 +262,7 @@ class EngineLoop:
                 self._fail_all(e)  # thread goes on rather than leave them waiting for it
         stopped = _stopped()
         self._fail_all(stopped)
-        close = getattr(self.engine, "close", None)  # an engine whose peers wait for it (engine.mirror)
+        close = getattr(self.engine, "close", None)  # an engine whose peers wait for it (parallel.mirror)
         if close is not None:
             with contextlib.suppress(Exception):
                 close()

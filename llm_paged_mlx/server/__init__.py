@@ -1,4 +1,4 @@
-"""The OpenAI-compatible server: ``llm paged-mlx serve MODEL`` (or ``python -m llm_paged_mlx.server MODEL``)."""
+"""The OpenAI-compatible server: ``llm paged-mlx serve MODEL`` (or ``python -m llm_paged_mlx serve MODEL``)."""
 
 import asyncio
 import signal

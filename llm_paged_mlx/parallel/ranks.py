@@ -3,8 +3,8 @@
 ``serve --tensor-parallel N`` runs its own command as N ranks (``cli``). A
 model prompted with ``-o tensor_parallel N`` (``llm -m``, or
 ``engines.engine_loop`` from Python) instead makes this process rank 0 and
-starts the other ranks as followers (``python -m llm_paged_mlx.ranks``), which
-make rank 0's engine calls on their shards (``engine.mirror``) and end when
+starts the other ranks as followers (``python -m llm_paged_mlx.engines``), which
+make rank 0's engine calls on their shards (``parallel.mirror``) and end when
 rank 0 does: it tells them at its loop's end, and if it dies they find it
 gone. Between messages they sleep on a doorbell: a byte rank 0 writes to
 their stdin before each.
@@ -22,9 +22,9 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
-from .errors import one_line
+from ..errors import one_line
 
 LAUNCHED_RANK = "MLX_RANK"  # set in every rank (by mlx.launch, serve, or lead)
 LOCAL_BACKENDS = ("ring", "nccl")  # the backends that start ranks on this machine without mlx.launch
@@ -107,9 +107,10 @@ _LED_LOCK = threading.Lock()
 _JOIN_FAILED: Optional[str] = None  # why this process could not start its group (MLX joins once per process)
 
 
-def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
+def lead(size: int, folder: str, model_id: str, follower: str, backend: Optional[str] = None):
     """The group of ``size`` ranks on this machine that this process leads as rank 0, started if needed,
-    and its doorbell (for ``mirror.share``): the other ranks follow the engines built from the model in
+    and its doorbell (for ``mirror.share``): the other ranks run ``python -m follower FOLDER MODEL_ID
+    BACKEND SIZE LEAD_PID`` (which calls ``follow``) and follow the engines built from the model in
     ``folder``.
 
     A process joins one group in its life, so it leads ranks for one model and size; ValueError for
@@ -128,7 +129,7 @@ def lead(size: int, folder: str, model_id: str, backend: Optional[str] = None):
         files = tempfile.TemporaryDirectory(prefix="llm-paged-mlx-ranks-")  # removed at this process's exit
         backend = backend or default_backend()
         envs = local_env(size, backend, files.name)
-        command = [sys.executable, "-m", __name__, folder, model_id, backend, str(size), str(os.getpid())]
+        command = [sys.executable, "-m", follower, folder, model_id, backend, str(size), str(os.getpid())]
         safe_path = {"PYTHONSAFEPATH": "1"}  # -m would put the current directory first on the import path
         followers = [
             subprocess.Popen(command, env={**os.environ, **safe_path, **env}, stdin=subprocess.PIPE,
@@ -179,22 +180,23 @@ def _join_as_rank_zero(size: int, backend: str, env: dict):
         os.environ.update(saved)
 
 
-def replay(model_id: str, fetch, group, doorbell=None) -> None:
-    """On a rank other than 0: build and step this rank's engines as rank 0 says (``mirror.follow``) until
-    it stops; the process ends with the reason if the group or this rank's engine fails (rank 0's next
-    collective fails too). Ctrl-C is left to rank 0 (a terminal sends it to every process of the job)."""
-    from .engine import mirror
-    from .engines import engine_builder
+def replay(build, group, doorbell=None) -> None:
+    """On a rank other than 0: build (``build(options, weights)``, ``engines.engine_builder``'s) and step
+    this rank's engines as rank 0 says (``mirror.follow``) until it stops; the process ends with the reason
+    if the group or this rank's engine fails (rank 0's next collective fails too). Ctrl-C is left to rank 0
+    (a terminal sends it to every process of the job)."""
+    from . import mirror  # mlx: only in a rank's process
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        mirror.follow(engine_builder(model_id, fetch, group), group, doorbell)
+        mirror.follow(build, group, doorbell)
     except Exception as e:
         sys.exit(f"llm-paged-mlx: rank {group.rank()} of the tensor-parallel group: {one_line(e)}")
 
 
-def follow(folder: str, model_id: str, backend: str, size: int, lead_pid: int) -> None:
-    """A follower started by ``lead``: join, then ``replay`` with a doorbell until rank 0 stops."""
+def follow(backend: str, size: int, lead_pid: int, builder: Callable) -> None:
+    """A follower started by ``lead``: join, then ``replay`` the engines ``builder(group)`` builds, with a
+    doorbell, until rank 0 stops."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_end_with_parent, args=(lead_pid,), daemon=True).start()
     os.write(sys.stdout.fileno(), READY)  # then nothing more goes to the pipe rank 0 read that from
@@ -203,7 +205,7 @@ def follow(folder: str, model_id: str, backend: str, size: int, lead_pid: int) -
         group = join(size, backend)
     except ValueError as e:
         sys.exit(f"llm-paged-mlx: rank {os.environ.get(LAUNCHED_RANK)} of the tensor-parallel group: {e}")
-    replay(model_id, lambda: folder, group, _wait_for_rank_zero)
+    replay(builder(group), group, _wait_for_rank_zero)
 
 
 def _wait_for_rank_zero() -> None:
@@ -219,7 +221,3 @@ def _end_with_parent(parent: int) -> None:
         time.sleep(PARENT_CHECK_S)
     print(f"llm-paged-mlx: rank {os.environ.get(LAUNCHED_RANK)}: rank 0 ended; ending too", file=sys.stderr, flush=True)
     os._exit(1)
-
-
-if __name__ == "__main__":
-    follow(*sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]))
