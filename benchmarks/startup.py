@@ -22,14 +22,14 @@ import mlx.core as mx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
-from llm_paged_mlx.engine import engine as engine_module  # noqa: E402
+from llm_paged_mlx.engine import sizing  # noqa: E402
 from llm_paged_mlx.models.loading import load_model  # noqa: E402
 
 PROMPT = "The capital of France is"
 
 
 def start_and_answer(model, tokenizer, budget, initial):
-    engine_module.INITIAL_POOL_BYTES = initial
+    sizing.INITIAL_POOL_BYTES = initial
     gc.collect()
     mx.clear_cache()
     start = time.perf_counter()
@@ -45,7 +45,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=2)
     args = parser.parse_args(argv)
     budget = int(args.budget_gib * 2**30)
-    growing = engine_module.INITIAL_POOL_BYTES
+    growing = sizing.INITIAL_POOL_BYTES
     from smollm2 import smollm2_dir  # tests/smollm2.py: the converted offline model
 
     model, tokenizer = load_model(str(smollm2_dir()), dequantize=True, dtype="float32")

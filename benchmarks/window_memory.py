@@ -48,7 +48,7 @@ def engine_bytes(model, prompt, grouped: bool) -> int:
         engine.step()
         if request_id in engine.requests:
             held = engine.stats()["used_blocks"]
-    return held * engine._block_bytes
+    return held * engine.pool.block_bytes
 
 
 def mlx_lm_bytes(model, prompt) -> int:

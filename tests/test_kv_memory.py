@@ -251,9 +251,9 @@ def test_tiled_prefill_memory_does_not_grow_with_the_context():
 
 
 def test_the_pool_starts_small_and_grows_keeping_its_blocks(monkeypatch):
-    from llm_paged_mlx.engine import engine as engine_module
+    from llm_paged_mlx.engine import sizing
 
-    monkeypatch.setattr(engine_module, "INITIAL_POOL_BYTES", 1)
+    monkeypatch.setattr(sizing, "INITIAL_POOL_BYTES", 1)
     model = tiny_model("llama")
     engine = Engine(model, kv_budget_bytes=1 << 24, max_num_batched_tokens=32, max_num_seqs=2)
     start = engine.stats()["num_blocks"]
@@ -375,3 +375,14 @@ def test_a_rotation_keeps_every_score_and_its_inverse_undoes_it_in_each_dtype(gr
     assert not mx.allclose(rotate(keys, group_size), keys, atol=0.1).item()  # it does rotate
     back = unrotate(rotate(keys.astype(mx.float32), group_size), group_size)
     assert mx.allclose(back, keys.astype(mx.float32), atol=1e-5).item()
+
+
+def test_pools_grow_at_least_twofold_up_to_the_budget():
+    from llm_paged_mlx.engine.sizing import PoolSize
+
+    pool = PoolSize(block_bytes=1024, max_blocks=100, initial_blocks=10, step_blocks=5, max_num_seqs=4, state_bytes=64)
+    assert pool.budget_bytes == 100 * 1024 + 64
+    assert pool.grown(10, 0) == pool.grown(10, -3) == 10  # nothing wanted: as they are
+    assert pool.grown(10, 1) == 20  # doubled
+    assert pool.grown(10, 25) == 35  # what is wanted, when that is more
+    assert pool.grown(60, 1) == pool.grown(60, 500) == 100  # never past the budget

@@ -73,7 +73,7 @@ def test_prefix_caching_is_off_and_the_state_counts_in_the_budget():
     assert stats["prefix_caching"] is False
     assert stats["recurrent_state_bytes"] == 4 * per_sequence
     assert engine.kv_budget_bytes <= 8 * 1024**2
-    assert engine.max_blocks == (8 * 1024**2 - stats["recurrent_state_bytes"]) // engine._block_bytes
+    assert engine.max_blocks == (8 * 1024**2 - stats["recurrent_state_bytes"]) // engine.pool.block_bytes
     prompt = random_prompts([40], seed=3)[0]
     first, again = (engine.generate([prompt], SamplingParams(max_tokens=5))[0] for _ in range(2))
     assert again.num_cached_tokens == 0 and again.token_ids == first.token_ids == reference(model, prompt, 5)

@@ -23,28 +23,22 @@ from .disk.format import device, host
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
-from .memory import DEFAULT_MEMORY_FRACTION, auto_kv_budget, format_size, step_reserve
+from .memory import DEFAULT_MEMORY_FRACTION, format_size
 from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob
 from .request import Request, SamplingParams, Status
-from .runner import ModelRunner, attention_groups, projects_sampled_rows_only
+from .runner import ModelRunner, attention_groups
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .sizing import size_pools
 from ..parallel.collectives import (
     check_same_options,
-    every_rank,
     is_sharded,
     rank_zero_tokens,
-    ranks_on_this_machine,
     shard_model,
 )
 
 Prompt = Union[str, Sequence[int]]
-DEFAULT_KV_BUDGET = 2 * 1024**3
-# The pools start this large (or as large as one step needs) and grow as requests need blocks, up to the
-# budget: a large budget costs nothing until it is used, and allocating it whole takes seconds on some machines.
-INITIAL_POOL_BYTES = 128 * 1024**2
-DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclass
@@ -225,38 +219,16 @@ class Engine:
         fold_quantized_rows(model)
         if mx.default_device() == mx.gpu:
             merge_projections(model)
-        # A block holds its tokens for the layers of one group: one layer in each of the groups' places.
-        owners = {place: layout for place, layout in reversed(list(zip(groups.layer_places, layouts)))}
-        block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in owners.values())
-        per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
         self.model = model
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer) if tokenizer is not None else None
-        if num_blocks is None:
-            # Prompts of hybrid models run right-padded: up to twice the step's tokens.
-            step_tokens = max_num_batched_tokens * (2 if state_layouts else 1)
-            budget = self._budget(kv_budget_bytes, memory_fraction, max_num_seqs or DEFAULT_MAX_NUM_SEQS, step_tokens)
-            if max_num_seqs is None and per_sequence:  # as many sequences as half the budget holds the state of
-                max_num_seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, budget // 2 // per_sequence))
-            max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-            state_bytes = max_num_seqs * per_sequence
-            num_blocks = (budget - state_bytes) // block_bytes
-            if num_blocks < 2:
-                states = f" after {format_size(state_bytes)} of recurrent state for {max_num_seqs} sequences"
-                raise ValueError(
-                    f"a KV budget of {budget} bytes holds fewer than 2 blocks of {block_bytes} bytes"
-                    + (states + " (lower max_num_seqs or raise the budget)" if state_bytes else "")
-                )
-        else:
-            max_num_seqs = max_num_seqs or DEFAULT_MAX_NUM_SEQS
-            state_bytes = max_num_seqs * per_sequence
-        self._block_bytes = block_bytes
-        self.max_blocks = num_blocks
-        self.state_bytes = state_bytes
-        self.kv_budget_bytes = num_blocks * block_bytes + state_bytes
-        # Enough blocks for one step's tokens and each sequence's next block in every table, and the null block.
-        self._step_blocks = (-(-max_num_batched_tokens // block_size) + max_num_seqs) * len(groups.windows) + 1
-        initial = min(self.max_blocks, max(INITIAL_POOL_BYTES // block_bytes, 2 * self._step_blocks))
+        self.pool = size_pools(
+            model, layouts, state_layouts, groups, block_size=block_size, num_blocks=num_blocks,
+            kv_budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction, kv_bits=kv_bits,
+            kv_group_size=kv_group_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            group=self.group,
+        )  # fmt: skip
+        initial = self.pool.initial_blocks
         self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
         self.runner = ModelRunner(
             model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
@@ -270,7 +242,7 @@ class Engine:
         if kv_disk_cache is not None:
             load_prefix = functools.partial(kv_disk_cache.load_chain, layout=self._block_layout)
         self.scheduler = Scheduler(
-            self.blocks, policy, max_num_seqs, max_num_batched_tokens, load_prefix, self.runner.groups
+            self.blocks, policy, self.pool.max_num_seqs, max_num_batched_tokens, load_prefix, self.runner.groups
         )
         self.max_context = getattr(model_config(model), "max_position_embeddings", None)
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
@@ -294,22 +266,15 @@ class Engine:
         model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
         return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
 
-    def _budget(self, budget, fraction: float, max_num_seqs: int, max_num_batched_tokens: int) -> int:
-        """The pool's bytes: as given, the default, or for ``"auto"`` what the device leaves."""
-        if budget is None:
-            return DEFAULT_KV_BUDGET
-        if budget != "auto":
-            if not isinstance(budget, int) or budget <= 0:
-                raise ValueError(f"kv_budget_bytes must be a positive number of bytes or 'auto', not {budget!r}")
-            return budget
-        mx.eval(self.model.parameters())  # the weights count as memory in use
-        logit_rows = max_num_seqs if projects_sampled_rows_only(self.model) else max_num_batched_tokens
-        budget = auto_kv_budget(step_reserve(self.model, max_num_batched_tokens, logit_rows), fraction)
-        if self.group is not None:  # the pools must hold as many blocks on every rank
-            if mx.default_device() == mx.cpu or mx.metal.is_available():  # ranks on one machine share its memory
-                budget //= ranks_on_this_machine(self.group)
-            budget = min(every_rank(budget >> 20, self.group)) << 20  # in MiB: it travels as an int32
-        return budget
+    @property
+    def max_blocks(self) -> int:
+        """The pools' blocks at the budget, the null block included."""
+        return self.pool.max_blocks
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        """The budget the pools and recurrent state take at most."""
+        return self.pool.budget_bytes
 
     # -- requests ---------------------------------------------------------------
 
@@ -328,7 +293,7 @@ class Engine:
         if len(token_ids) >= limit:
             raise ValueError(
                 f"prompt of {len(token_ids)} tokens does not fit the KV cache: its budget of "
-                f"{format_size(self.max_blocks * self._block_bytes)} holds at most "
+                f"{format_size(self.max_blocks * self.pool.block_bytes)} holds at most "
                 f"{limit - 1} prompt tokens; raise the budget (kv_budget_bytes; llm: -o kv_budget) or store K/V "
                 "in fewer bits (kv_bits)"
             )
@@ -442,12 +407,10 @@ class Engine:
             return
         size, groups = blocks.block_size, self.runner.groups
         waiting = sum(groups.blocks_for(r.num_tokens, size) for r in self.scheduler.waiting)
-        wanted = self._step_blocks + waiting - blocks.num_free_blocks
-        if wanted <= 0:
-            return
-        size = min(self.max_blocks, max(2 * blocks.num_blocks, blocks.num_blocks + wanted))
-        self.runner.grow(size)
-        blocks.grow(size)
+        size = self.pool.grown(blocks.num_blocks, self.pool.step_blocks + waiting - blocks.num_free_blocks)
+        if size > blocks.num_blocks:
+            self.runner.grow(size)
+            blocks.grow(size)
 
     def _start_over(self) -> None:
         """After a launched step failed, compute every request again from its tokens.
@@ -835,7 +798,7 @@ class Engine:
             "used_blocks": used,
             "cached_blocks": len(self.blocks.cached),
             "kv_cache_bytes": self.runner.kv_bytes,
-            "recurrent_state_bytes": self.state_bytes,  # the budget's share for max_num_seqs sequences
+            "recurrent_state_bytes": self.pool.state_bytes,  # the budget's share for max_num_seqs sequences
             "recurrent_states": self.runner.states.num_sequences,
             "prefix_caching": self.blocks.enable_prefix_caching,
             "disk_cache": self.disk is not None,
