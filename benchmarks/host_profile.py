@@ -79,10 +79,10 @@ def engine_profile(model, prompts, steps: int) -> dict[str, float]:
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "forward", "forward")
-    timer.wrap(engine, "_sample", "sample")
+    timer.wrap(engine.steps, "_sample", "sample")
     timer.wrap(engine.runner, "launch", "launch")
-    timer.wrap(engine, "_wait", "wait")
-    timer.wrap(engine, "_apply", "apply")
+    timer.wrap(engine.steps, "wait", "wait")
+    timer.wrap(engine.steps, "apply", "apply")
     params = SamplingParams(max_tokens=steps + 40, ignore_eos=True)
     for prompt in prompts:
         engine.add_request(prompt, params)

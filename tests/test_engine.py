@@ -8,6 +8,7 @@ from mlx_lm.generate import generate_step
 from models import ARCHS, tiny_any, tiny_model
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine.step import StepPipeline
 
 PROMPT_LENGTHS = [1, 2, 15, 16, 17, 33, 100, 250, 600, 640]
 
@@ -271,8 +272,8 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     """Steady decoding builds each step on the last one's unread tokens. A request that stops or is
     aborted while a step runs ahead for it loses nothing of its own and takes nothing from others."""
     ahead = []
-    run_ahead = Engine._run_ahead
-    monkeypatch.setattr(Engine, "_run_ahead", lambda self, launched: ahead.append(1) or run_ahead(self, launched))
+    run_ahead = StepPipeline.run_ahead
+    monkeypatch.setattr(StepPipeline, "run_ahead", lambda self, launched: ahead.append(1) or run_ahead(self, launched))
     model = tiny_model("llama")
     prompts = random_prompts([12, 30, 45, 20], seed=12)
     full = [reference(model, p, 24) for p in prompts]
@@ -283,7 +284,7 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     outputs = {}
     while len(outputs.get(ids[3], [])) < 5:
         collect(engine.step(), outputs)
-    assert engine._in_flight is not None and ahead  # a step is running ahead for request 3 right now
+    assert engine.steps.in_flight is not None and ahead  # a step is running ahead for request 3 right now
     engine.abort(ids[3])
     while engine.has_unfinished():
         collect(engine.step(), outputs)
@@ -293,7 +294,7 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     assert len(ahead) > 10
     assert engine.runner.writes_in_place == (decode_launch != "read first")
     engine.step()  # reads whatever ran ahead for the finished requests
-    assert engine.stats()["free_blocks"] == 39 and engine._in_flight is None and engine._unread is None
+    assert engine.stats()["free_blocks"] == 39 and engine.steps.in_flight is None and engine.steps.unread is None
 
 
 @pytest.mark.parametrize("run_ahead", [True, False])
@@ -339,7 +340,7 @@ def test_an_interrupt_while_reading_a_step_behind_one_launched_ahead_loses_nothi
     outputs = {}
     for _ in range(5):
         collect(engine.step(), outputs)
-    wait, waits = Engine._wait, []
+    wait, waits = StepPipeline.wait, []
 
     def interrupted(self, launched, *args, **kwargs):
         waits.append(launched)
@@ -347,11 +348,11 @@ def test_an_interrupt_while_reading_a_step_behind_one_launched_ahead_loses_nothi
             raise KeyboardInterrupt
         return wait(self, launched, *args, **kwargs)
 
-    monkeypatch.setattr(Engine, "_wait", interrupted)
+    monkeypatch.setattr(StepPipeline, "wait", interrupted)
     with pytest.raises(KeyboardInterrupt):
         engine.step()
     if decode_launch != "read first":
-        assert engine._unread is waits[0] and engine._in_flight is not waits[0]
+        assert engine.steps.unread is waits[0] and engine.steps.in_flight is not waits[0]
     collect(engine.step(), outputs)
     assert waits[1] is waits[0]  # the interrupted read first
     while engine.has_unfinished():

@@ -31,7 +31,7 @@ from test_engine import reference
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine.disk.store import KVDiskCache
-from llm_paged_mlx.engine import engine as engine_module
+from llm_paged_mlx.engine import step as step_module
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 10  # 9 usable: two requests can fill it, so they preempt and swap
@@ -105,9 +105,9 @@ class EngineMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.faults = Faults()
-        self.sample, self.synchronize = engine_module.sample, engine_module.mx.synchronize
-        engine_module.sample = self.faults.wrap("sample", self.sample)
-        engine_module.mx.synchronize = self.faults.wrap("device", self.synchronize, DeviceFault)
+        self.sample, self.synchronize = step_module.sample, step_module.mx.synchronize
+        step_module.sample = self.faults.wrap("sample", self.sample)
+        step_module.mx.synchronize = self.faults.wrap("device", self.synchronize, DeviceFault)
         self.prompts: dict[int, tuple[tuple, int]] = {}  # request id -> (prompt, tokens it generates)
         self.received: dict[int, list[int]] = {}
         self.done: dict[int, str] = {}  # request id -> finish reason
@@ -145,7 +145,7 @@ class EngineMachine(RuleBasedStateMachine):
         engine.runner.write_blocks = wrap("write blocks", engine.runner.write_blocks)
         engine.runner.forward = wrap("forward", engine.runner.forward)
         engine.runner.launch = wrap("launch", engine.runner.launch, DeviceFault)
-        engine._wait = wrap("wait", engine._wait, KeyboardInterrupt)
+        engine.steps.wait = wrap("wait", engine.steps.wait, KeyboardInterrupt)
         engine.swap.discard = wrap("discard", lambda handle: None)  # its failure is warned about, never raised
 
     # -- rules ------------------------------------------------------------------
@@ -221,7 +221,7 @@ class EngineMachine(RuleBasedStateMachine):
         assert sorted(r.request_id for r in queued) == sorted(engine.requests)
 
     def teardown(self):
-        engine_module.sample, engine_module.mx.synchronize = self.sample, self.synchronize
+        step_module.sample, step_module.mx.synchronize = self.sample, self.synchronize
         engine = getattr(self, "engine", None)
         if engine is None:
             return

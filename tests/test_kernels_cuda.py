@@ -16,6 +16,7 @@ from test_engine import reference as mlx_lm_tokens
 from test_kernels import make_case, make_plan, reference, rel_error
 
 from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx.engine.step import StepPipeline
 from llm_paged_mlx.engine import engine as engine_module
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import quantized_matvec, select_kernel
@@ -477,8 +478,8 @@ def test_decode_steps_launched_ahead_write_the_pools_in_place(monkeypatch):
     """With in-place writes, a step launched while the one before it runs copies no pool; with scatter
     writes (``write_and_attend`` declining) the same launches copy one, which the measure sees."""
     launched = []
-    launch_ahead = Engine._launch_ahead
-    monkeypatch.setattr(Engine, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
+    launch_ahead = StepPipeline._launch_ahead
+    monkeypatch.setattr(StepPipeline, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
     model = tiny_model("llama")
     engine = Engine(model, num_blocks=4096)  # a pool array of 16 MiB
     array_bytes = engine.runner.pools()[0].nbytes

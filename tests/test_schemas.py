@@ -132,7 +132,7 @@ def test_constrained_steps_run_ahead_and_a_failure_making_masks_loses_nothing(ti
     prompts = [tokenizer.encode(q) for _, q in BOUNDED]
     params = [SamplingParams(max_tokens=300, json_schema=s) for s, _ in BOUNDED]
     engine = Engine(tiny, tokenizer, block_size=16, num_blocks=64)
-    ahead = Injector(monkeypatch, engine, "_run_ahead")
+    ahead = Injector(monkeypatch, engine.steps, "run_ahead")
     expected = run_through_faults(engine, prompts, params)
     assert ahead.calls > 10
     assert all(valid(tokenizer.decode(t), s) for t, (s, _) in zip(expected, BOUNDED))

@@ -16,7 +16,7 @@ from models import tiny_any, tiny_model
 from test_engine import random_prompts, reference
 
 from llm_paged_mlx import Engine, SamplingParams
-from llm_paged_mlx.engine import engine as engine_module
+from llm_paged_mlx.engine import step as step_module
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.engine.scheduler import FCFSPolicy
 from llm_paged_mlx.engine.swap import CPUSwapPolicy
@@ -43,7 +43,7 @@ STAGES = {
     "swap out": (CPUSwapPolicy, "swap_out", [1, 3]),
     "swap in": (CPUSwapPolicy, "swap_in", [1, 2]),
     "forward": (ModelRunner, "forward", [5, 30, 31]),
-    "sample": (engine_module, "sample", [4, 20]),
+    "sample": (step_module, "sample", [4, 20]),
 }
 
 
@@ -64,7 +64,7 @@ def test_a_failed_step_is_undone_and_every_request_gets_mlx_lm_s_tokens(stage, m
 def test_an_interrupted_wait_is_undone_and_read_again(monkeypatch):
     model, prompts, expected = workload()
     engine = small_engine(model)  # first: building an engine may synchronize (the model check)
-    injector = Injector(monkeypatch, engine_module.mx, "synchronize", [3, 10, 11, 40], KeyboardInterrupt)
+    injector = Injector(monkeypatch, step_module.mx, "synchronize", [3, 10, 11, 40], KeyboardInterrupt)
     got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (KeyboardInterrupt,))
     assert injector.failures == 4
     assert got == expected
@@ -121,7 +121,7 @@ def test_a_device_failure_in_a_launched_step_starts_every_request_over(where, mo
     if where == "launch":
         Injector(monkeypatch, engine.runner, "launch", [6, 20], RuntimeError)
     else:
-        Injector(monkeypatch, engine_module.mx, "synchronize", [6, 20], RuntimeError)
+        Injector(monkeypatch, step_module.mx, "synchronize", [6, 20], RuntimeError)
     got = run_through_faults(engine, prompts, SamplingParams(max_tokens=MAX_TOKENS), (RuntimeError,))
     assert got == expected
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
@@ -163,7 +163,8 @@ def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch, decode_launch
         return interrupted
 
     points = {
-        engine: ["_wait", "_apply", "_append", "_finish", "_launch", "_prepare"],
+        engine: ["_append", "_finish"],
+        engine.steps: ["wait", "apply", "launch", "_prepare"],
         engine.scheduler: ["schedule", "commit", "rollback", "remove"],
         engine.blocks: ["append_slots", "allocate_prefix", "cache_full_blocks", "free"],
         engine.runner: ["forward", "launch", "read_blocks", "write_blocks"],
@@ -198,7 +199,7 @@ def test_a_failed_step_that_overwrote_cached_blocks_takes_them_out_of_the_cache(
     protected = []
     real_protect = ModelRunner.protect
     monkeypatch.setattr(ModelRunner, "protect", lambda runner, blocks: protected.extend(blocks) or real_protect(runner, blocks))
-    Injector(monkeypatch, engine_module, "sample", [1])
+    Injector(monkeypatch, step_module, "sample", [1])
     with pytest.raises(Fault):
         engine.generate([second], params)
     assert protected == []  # no block a sequence held was written over: nothing was copied

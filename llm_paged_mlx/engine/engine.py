@@ -3,23 +3,20 @@
 import functools
 import itertools
 import warnings
-from concurrent import futures
-from dataclasses import dataclass, field
-from typing import Callable, Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
 import mlx.core as mx
 
 from .. import plugins
 from ..errors import one_line
 from ..kernels import select_kernel
-from ..models.merged_projections import has_merged_projections, merge_projections
-from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
+from ..models.merged_projections import merge_projections
+from ..models.paged_cache import LayerLayout, check_model, model_config
 from ..models.quantized_rows import fold_quantized_rows
-from ..models.softcapped import has_softcapped_attention
 from ..models.state_cache import StateLayout
-from . import kv_groups
+from ..parallel.collectives import check_same_options, shard_model
 from .block_manager import BlockManager
-from .disk.format import device, host
+from .checks import check_group, check_kernel
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
@@ -28,56 +25,12 @@ from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups
-from .sampler import StepLogprobs, logprobs, sample
-from .scheduler import ScheduledChunk, Scheduler, StepPlan
+from .scheduler import Scheduler
 from .sizing import size_pools
-from ..parallel.collectives import (
-    check_same_options,
-    is_sharded,
-    rank_zero_tokens,
-    shard_model,
-)
+from .step import LaunchedStepFailed, StepPipeline
+from .swap import discard
 
 Prompt = Union[str, Sequence[int]]
-
-
-@dataclass
-class _Built:
-    """A step built (lazy arrays): its chunks, who it samples, who it fills a block for, its logits until
-    they are sampled, and the sampled tokens and log-probabilities."""
-
-    chunks: list[ScheduledChunk]
-    sampled: list[Request]
-    filled: list[Request]
-    logits: Optional[mx.array]
-    tokens: Optional[mx.array] = None
-    logprobs: Optional[StepLogprobs] = None
-
-    @property
-    def constrained(self) -> bool:
-        """Whether a request it samples has a grammar (its mask follows the tokens before this step)."""
-        return any(r.grammar is not None for r in self.sampled)
-
-    def outputs(self) -> list[mx.array]:
-        """The arrays the host reads once the step has run."""
-        if not self.sampled:
-            return []
-        extra = self.logprobs and [self.logprobs.sampled, self.logprobs.top_ids, self.logprobs.top_values]
-        return [self.tokens, *(a for a in extra or [] if a is not None)]
-
-
-class _LaunchedStepFailed(Exception):
-    """A launched step failed: on the device, or in making its masks (the error is its ``__cause__``)."""
-
-
-@dataclass
-class _SwapHandles:
-    """Swap handles a step made (released if it is undone) and used up (released once it commits), and
-    requests whose handle failed to swap in (if the step is undone, they are computed again instead)."""
-
-    created: list = field(default_factory=list)
-    consumed: list = field(default_factory=list)
-    unreadable: list[Request] = field(default_factory=list)
 
 
 class Engine:
@@ -159,28 +112,12 @@ class Engine:
         if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
         self.group = tensor_parallel if tensor_parallel is not None and tensor_parallel.size() > 1 else None
-        if is_sharded(model):
-            raise ValueError("the model is already sharded over devices: give the unsharded model with "
-                             "tensor_parallel=group, which shards it")  # fmt: skip
-        if self.group is not None and has_merged_projections(model):
-            raise ValueError("the model's projections were merged by an engine on one device: give the model as "
-                             "loaded with tensor_parallel=group, which shards it")  # fmt: skip
-        if self.group is not None:  # every rank must decide as the others do
-            if kv_disk_cache is not None:
-                raise ValueError("kv_disk_cache: the disk tier is not shared by the ranks of a tensor-parallel engine")
-            if scheduler == "priority":
-                raise ValueError("scheduler 'priority' ages requests by each rank's own clock: use 'fcfs' with "
-                                 "tensor_parallel")  # fmt: skip
-            swap_policy = "recompute" if swap_policy == "auto" else swap_policy
-            if swap_policy not in ("recompute", "cpu"):
-                raise ValueError(f"swap_policy {swap_policy!r} may decide differently on each rank: use 'recompute' "
-                                 "or 'cpu' with tensor_parallel")  # fmt: skip
+        swap_policy = check_group(model, self.group, kv_disk_cache, scheduler, swap_policy)
+        if self.group is not None:
             verdict_file = None  # each rank checks the model, and so takes part in the check's collectives
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
-        self.swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
+        swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(attention_kernel)
-        if kv_bits is not None and not getattr(self.kernel, "quantized", False):
-            raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
         if self.group is not None:
@@ -201,21 +138,7 @@ class Engine:
             enable_prefix_caching, kv_disk_cache = False, None
         if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
             kv_disk_cache = None
-        if any(layout.latent for layout in layouts) and not hasattr(self.kernel, "latent_attention"):
-            raise ValueError(
-                f"{architecture(model)}: attention kernel {self.kernel.name!r} has no latent_attention, "
-                "which multi-head latent attention (MLA) needs"
-            )
-        if any(layout.window for layout in layouts) and not getattr(self.kernel, "windowed", False):
-            raise ValueError(
-                f"{architecture(model)}: attention kernel {self.kernel.name!r} does not take a window, "
-                "which the model's sliding-window layers need"
-            )
-        if has_softcapped_attention(model) and not getattr(self.kernel, "softcapped", False):
-            raise ValueError(
-                f"{architecture(model)}: attention kernel {self.kernel.name!r} does not take softcapped scores, "
-                "which the model's attention needs"
-            )
+        check_kernel(self.kernel, model, layouts, kv_bits)
         fold_quantized_rows(model)
         if mx.default_device() == mx.gpu:
             merge_projections(model)
@@ -249,13 +172,12 @@ class Engine:
         self.requests: dict[int, Request] = {}
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
-        self._in_flight: Optional[_Built] = None  # a step launched on the device, its tokens not yet read
-        self._unread: Optional[_Built] = None  # a step before _in_flight, not read yet (see _launch_ahead)
         self._out_of_step: Optional[RuntimeError] = None  # a tensor-parallel rank whose launched step failed
-        self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
         self._ready: list[StreamChunk] = []  # chunks read, not yet returned by step()
         self._ids = itertools.count()
         self._interrupts = HeldInterrupts()
+        self.steps = StepPipeline(self.blocks, self.scheduler, self.runner, swap, self.grammars, self.group,
+                                  self._interrupts, self._deliver)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
@@ -265,6 +187,15 @@ class Engine:
 
         model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
         return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
+
+    @property
+    def swap(self):
+        """The swap policy: what happens to a preempted request's K/V (its steps' own)."""
+        return self.steps.swap
+
+    @swap.setter
+    def swap(self, policy) -> None:
+        self.steps.swap = policy
 
     @property
     def max_blocks(self) -> int:
@@ -369,29 +300,30 @@ class Engine:
     def _step(self) -> None:
         if self._out_of_step is not None:
             raise self._out_of_step
+        steps = self.steps
         try:
-            if self._unread is not None:  # reading it was interrupted, after the step built on it was launched
-                self._read(self._unread)
-            launched = self._in_flight
+            if steps.unread is not None:  # reading it was interrupted, after the step built on it was launched
+                steps.read(steps.unread)
+            launched = steps.in_flight
             if launched is not None:
-                if self._can_run_ahead(launched):  # the next step is built before this one is read
-                    self._run_ahead(launched)
+                if steps.can_run_ahead(launched):  # the next step is built before this one is read
+                    steps.run_ahead(launched)
                     return
-                read = self._wait(launched)
-                self._in_flight = None
-                self._apply(launched, *read)
+                read = steps.wait(launched)
+                steps.in_flight = None
+                steps.apply(launched, *read)
             self._grow_pool()
-            built = self._transaction(self._plan)
+            built = steps.transaction(steps.plan)
             if built is not None:
-                self._launch(built)
-        except _LaunchedStepFailed as failure:
+                steps.launch(built)
+        except LaunchedStepFailed as failure:
             if self.group is not None:  # the other ranks went on with that step: this one cannot redo it alone
                 self._out_of_step = RuntimeError(
                     f"a step of this tensor-parallel engine failed ({one_line(failure.__cause__)}); its ranks are "
                     "out of step, so it takes no more"
                 )
                 raise self._out_of_step from failure.__cause__
-            self._start_over()
+            steps.start_over()
             raise failure.__cause__
 
     def _grow_pool(self) -> None:
@@ -412,287 +344,15 @@ class Engine:
             self.runner.grow(size)
             blocks.grow(size)
 
-    def _start_over(self) -> None:
-        """After a launched step failed, compute every request again from its tokens.
-
-        What that step, and any built on it, wrote to the pools is unknown: so no
-        block is kept, the prefix cache is emptied and the pools are made anew.
-        Copies kept by the swap policy and the disk tier came from steps that
-        ended, and stay.
-        """
-        self._in_flight = self._unread = None
-        self.scheduler.start_over()
-        self.blocks.forget_cached()
-        self.runner.reset_pools()
-
-    def _transaction(self, work: Callable[[_SwapHandles], Optional[_Built]]) -> Optional[_Built]:
-        """Run ``work`` so that an exception undoes all it did; on success, count its chunks as computed.
-
-        ``work`` plans and builds a step, listing the swap handles it creates
-        and consumes: an undone step releases the ones it created, a committed
-        one the ones it consumed.
-        """
-        handles = _SwapHandles()
-        self._overwritten_cached = []
-        self.scheduler.begin()
-        self.runner.begin()
-        try:
-            built = work(handles)
-        except BaseException:
-            self.runner.rollback()
-            self.scheduler.rollback()
-            self.blocks.uncache(self._overwritten_cached)
-            for handle in handles.created:
-                self._discard(handle)
-            for request in handles.unreadable:  # a damaged swap file must not fail every later step
-                self._discard(request.swap_handle)
-                request.swap_handle, request.saved_state, request.num_computed = None, None, 0
-            raise
-        self.runner.commit()
-        self.scheduler.commit()
-        if built is not None:
-            for chunk in built.chunks:  # whatever runs later on the device sees these tokens' K/V
-                chunk.request.num_computed += chunk.num_tokens
-        for handle in handles.consumed:
-            self._discard(handle)
-        return built
-
-    def _plan(self, handles: _SwapHandles) -> Optional[_Built]:
-        plan = self.scheduler.schedule()
-        self._protect(plan)
-        self._prepare(plan, handles)
-        return self._build(plan.chunks) if plan.chunks else None
-
-    def _protect(self, plan: StepPlan) -> None:
-        """Before a step writes: have the runner keep the K/V it overwrites in blocks a sequence held at its
-        start, and note the cached free blocks it overwrites (an undone step takes them out of the cache)."""
-        size = self.blocks.block_size
-        written = list({slot // size for chunk in plan.chunks for slots in chunk.slots for slot in slots})
-        written += [destination for _, destination in self.blocks.pending_copies]
-        written += [block_id for block_id, _ in plan.disk_loads]
-        for request in plan.swapped_in:
-            written += kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
-        held, cached = self.blocks.held_before(written)
-        self.runner.protect(held)
-        self._overwritten_cached += cached
-
-    def _prepare(self, plan: StepPlan, handles: _SwapHandles) -> None:
-        """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
-        for request, old_tables in plan.preempted:
-            kept = kv_groups.live_blocks(self.blocks, old_tables, request.num_computed)
-            handle = self.swap.swap_out(kept, self.runner)
-            if handle is None:
-                request.num_computed = 0
-            else:
-                handles.created.append(handle)
-            request.swap_handle = handle
-            if self.runner.states:  # the recurrent state goes with the K/V (or is computed again with them)
-                request.saved_state = self._save_state(request) if handle is not None else None
-                self.runner.states.release(request.request_id)
-        self._copy_blocks()
-        for request in plan.swapped_in:
-            blocks = kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
-            try:
-                self.swap.swap_in(request.swap_handle, blocks, self.runner)
-            except Exception:
-                handles.unreadable.append(request)
-                raise
-            handles.consumed.append(request.swap_handle)
-            request.swap_handle = None
-            if self.runner.states:
-                self.runner.states.write(request.request_id, [device(a, dtype) for a, dtype in request.saved_state])
-                request.saved_state = None
-        if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
-            arrays = zip(*(data for _, data in plan.disk_loads))
-            self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
-
-    def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> _Built:
-        """Build a forward pass and, unless it is constrained, its sampling (lazy arrays: ``_launch`` starts
-        them)."""
-        logits = self.runner.forward(chunks, input_tokens)
-        sampled = [c.request for c in chunks if c.completes]
-        size = self.blocks.block_size
-        filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
-        built = _Built(chunks, sampled, filled, logits)
-        if sampled and not built.constrained:
-            self._sample(built)
-        return built
-
-    def _sample(self, step: _Built, allowed: Optional[mx.array] = None) -> None:
-        step.tokens = sample(step.logits, step.sampled, allowed)
-        if self.group is not None:
-            step.tokens = rank_zero_tokens(step.tokens, self.group)
-        step.logprobs = logprobs(step.logits, step.tokens, step.sampled)
-        step.logits = None
-
-    def _launch(self, step: _Built) -> None:
-        """Start a built step on the device; nothing waits for it.
-
-        A constrained step's masks follow the tokens ``_apply`` has just given
-        its requests: another thread makes them while this one launches the
-        forward pass (launching takes the host as long as a small model's pass
-        takes the GPU), then its sampling is launched.
-        """
-        self._in_flight = step
-        try:
-            if not step.constrained:
-                self.runner.launch(*step.outputs())
-                return
-            grammars = [None if r.finished else r.grammar for r in step.sampled]  # finished while it was built
-            bitmask = self.grammars.bitmask_meanwhile(grammars)
-            try:
-                self.runner.launch(step.logits)
-            finally:
-                futures.wait([bitmask])  # no later step touches the matchers while they make masks
-            self._sample(step, self.grammars.allowed(bitmask.result(), grammars, step.logits.shape[-1]))
-            mx.async_eval(*step.outputs())
-        except BaseException as e:  # Ctrl-C too: a step launched in part is not one to wait for
-            raise _LaunchedStepFailed() from e
-
-    def _wait(self, launched: _Built, synchronize: bool = True) -> tuple[list[int], dict[int, TokenLogprob]]:
-        """Wait for a launched step to end; its sampled tokens, and their log-probabilities by row for the
-        requests that asked for them. Nothing changes if it is interrupted.
-
-        A GPU backend holds a step's input buffers until its completion handler
-        runs, shortly after the step ends; a pool still held then would make the
-        next step's scatter writes copy it. Synchronizing waits for the handler
-        too, and for any step launched after this one: without ``synchronize``,
-        only this step's outputs are waited for.
-        """
-        with self._interrupts.allowed():
-            try:
-                if synchronize:
-                    mx.synchronize()
-                tokens = launched.tokens.tolist() if launched.sampled else []
-                return tokens, self._read_logprobs(launched, tokens)
-            except Exception as e:
-                raise _LaunchedStepFailed() from e
-
-    @staticmethod
-    def _read_logprobs(launched: _Built, tokens: list[int]) -> dict[int, TokenLogprob]:
-        step = launched.logprobs
-        if step is None:
-            return {}
-        sampled = step.sampled.tolist()
-        top_ids = step.top_ids.tolist() if step.top_ids is not None else [[]] * len(step.rows)
-        top_values = step.top_values.tolist() if step.top_values is not None else [[]] * len(step.rows)
-        read = {}
-        for i, row in enumerate(step.rows):
-            wanted = launched.sampled[row].params.logprobs
-            top = sorted(zip(top_ids[i], top_values[i]), key=lambda pair: -pair[1])[:wanted]
-            read[row] = TokenLogprob(tokens[row], sampled[i], top)
-        return read
-
-    def _apply(self, launched: _Built, tokens: list[int], token_logprobs: dict[int, TokenLogprob]) -> None:
-        """Hand a finished step's tokens to their requests (chunks to ``_ready``), cache the blocks it filled."""
-        for request in launched.filled:
-            if not request.finished:  # finished: aborted, or stopped while this step ran
-                for seq in request.tables:
-                    self.blocks.cache_full_blocks(seq, request.token_ids, request.num_computed)
-        for row, (request, token) in enumerate(zip(launched.sampled, tokens)):
-            if not request.finished:
-                chunk = self._append(request, token)
-                if chunk.token_ids and row in token_logprobs:
-                    chunk.logprobs = [token_logprobs[row]]
-                self._ready.append(chunk)
-                if chunk.request_id in self.outbox:  # kept for stream() and generate() as it is read
-                    self.outbox[chunk.request_id].append(chunk)
-
-    def _can_run_ahead(self, launched: _Built) -> bool:
-        """Whether the next step is surely one decode token for each request ``launched`` sampled.
-
-        Then it can start before their tokens are read: no request waits, every
-        running request was sampled and none reaches a length limit with this
-        token, and blocks and budget cover one more token each (no preemption).
-        """
-        running, sampled = self.scheduler.running, launched.sampled
-        if self.scheduler.waiting or not sampled or len(running) != len(sampled):
-            return False
-        if len(sampled) > self.scheduler.max_num_batched_tokens or set(map(id, running)) != set(map(id, sampled)):
-            return False
-        for request in sampled:
-            if len(request.output_token_ids) + 1 >= request.params.max_tokens:
-                return False
-            if request.num_tokens + 1 >= request.max_total_tokens:
-                return False
-        needed = sum(kv_groups.blocks_needed(self.blocks, r.tables, r.num_computed, 1) for r in sampled)
-        return needed <= self.blocks.num_free_blocks
-
-    def _run_ahead(self, launched: _Built) -> None:
-        """Build the next decode step on the launched step's tokens (unread), read those, launch it.
-
-        Reading before launching lets the launched step's graph go, so the next
-        step's scatter writes the K/V pools in place; the host built it
-        meanwhile. If the wait is interrupted, the step built ahead is undone
-        and the next call reads the launched step again. Where the pools are
-        written in place anyway, the step is launched first (``_launch_ahead``).
-        """
-        if self.runner.writes_in_place and not launched.constrained:
-            self._launch_ahead(launched)
-            return
-        read: list[tuple] = []  # the launched step's tokens and log-probabilities, once waited for
-
-        def plan_and_wait(handles: _SwapHandles) -> _Built:
-            ahead = self._build_ahead(launched)
-            read.append(self._wait(launched))
-            return ahead
-
-        ahead = self._transaction(plan_and_wait)
-        self._in_flight = None
-        self._apply(launched, *read[0])
-        self._launch(ahead)
-
-    def _launch_ahead(self, launched: _Built) -> None:
-        """Build the next decode step on the launched step's tokens, launch it, then read those tokens: the
-        device has the next step queued before it ends the one it runs. (Constrained steps cannot: their
-        masks follow the tokens read.) If the wait is interrupted, the next call reads the step first."""
-        ahead = self._transaction(lambda handles: self._build_ahead(launched))
-        self._launch(ahead)
-        self._unread = launched
-        self._read(launched)
-
-    def _read(self, launched: _Built) -> None:
-        """Wait for a step that another launched step follows, and hand out its tokens."""
-        read = self._wait(launched, synchronize=False)
-        self._unread = None
-        self._apply(launched, *read)
-
-    def _build_ahead(self, launched: _Built) -> _Built:
-        """The next decode step, built on the launched step's tokens before they are read."""
-        for request in launched.sampled:
-            request.output_token_ids.append(-1)  # stands for the token being computed
-        try:
-            plan = self.scheduler.schedule()
-            assert not plan.preempted and all(c.num_tokens == 1 for c in plan.chunks), "run-ahead needs plain decode"
-            self._protect(plan)
-            self._copy_blocks()
-            index = {id(r): i for i, r in enumerate(launched.sampled)}
-            rows = mx.array([index[id(c.request)] for c in plan.chunks], dtype=mx.int32)
-            return self._build(plan.chunks, launched.tokens[rows].astype(mx.int32))
-        finally:
-            for request in launched.sampled:
-                request.output_token_ids.pop()  # _apply appends the real token (or stops)
-
-    def _discard(self, handle) -> None:
-        """Release what the swap policy kept for a request that will not be swapped in."""
-        discard = getattr(self.swap, "discard", None)
-        if discard is None:
-            return
-        try:
-            discard(handle)
-        except Exception as e:  # what is lost is the policy's own storage, not a request's tokens
-            warnings.warn(f"swap policy {type(self.swap).__name__}: discard failed ({e})", RuntimeWarning)
-
-    def _save_state(self, request: Request) -> list:
-        """Host copies of a running request's recurrent state, for ``runner.states.write``."""
-        state = self.runner.states.read(request.request_id)
-        mx.eval(state)
-        return [(host(a), a.dtype) for a in state]
-
-    def _copy_blocks(self) -> None:
-        copies = self.blocks.take_copies()
-        if copies:
-            self.runner.copy_blocks(copies)
+    def _deliver(self, request: Request, token: int, token_logprob: Optional[TokenLogprob]) -> None:
+        """A step's token for ``request``: its chunk to return from ``step`` (and to ``stream`` and
+        ``generate``, which read the outbox)."""
+        chunk = self._append(request, token)
+        if chunk.token_ids and token_logprob is not None:
+            chunk.logprobs = [token_logprob]
+        self._ready.append(chunk)
+        if chunk.request_id in self.outbox:  # kept for stream() and generate() as it is read
+            self.outbox[chunk.request_id].append(chunk)
 
     def _append(self, request: Request, token: int) -> StreamChunk:
         p = request.params
@@ -721,7 +381,7 @@ class Engine:
             except Exception as e:  # the disk tier is a cache: losing a save loses no data
                 warnings.warn(f"KV disk cache: could not save a finished request's blocks ({e})", KVDiskCacheWarning)
         if request.swap_handle is not None:
-            self._discard(request.swap_handle)
+            discard(self.swap, request.swap_handle)
             request.swap_handle = None
         request.saved_state = None
         self.runner.states.release(request.request_id)

@@ -300,3 +300,16 @@ def register_swap_policies(register):
     register("cpu", CPUSwapPolicy)
     register("disk", DiskSwapPolicy)
     register("auto", AutoSwapPolicy)
+
+
+def discard(policy, handle) -> None:
+    """Release what ``policy`` kept for a request that will not be swapped in (a policy without ``discard``
+    keeps nothing to release). A failure warns: what is lost is the policy's own storage, not a request's
+    tokens."""
+    release = getattr(policy, "discard", None)
+    if release is None:
+        return
+    try:
+        release(handle)
+    except Exception as e:
+        warnings.warn(f"swap policy {type(policy).__name__}: discard failed ({e})", RuntimeWarning)

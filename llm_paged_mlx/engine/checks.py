@@ -1,0 +1,51 @@
+"""What an engine refuses before it builds anything: a model or options that the ranks of a tensor-parallel
+group cannot share or would decide differently on, and models whose attention the kernel cannot serve."""
+
+from typing import Optional
+
+from ..models.merged_projections import has_merged_projections
+from ..models.paged_cache import architecture
+from ..models.softcapped import has_softcapped_attention
+from ..parallel.collectives import is_sharded
+
+
+def check_group(model, group, kv_disk_cache, scheduler: str, swap_policy: str) -> str:
+    """ValueError for a model sharded or merged already, and, over a tensor-parallel ``group`` (None: one
+    process), for options every rank cannot decide alike; the swap policy to use (``"auto"`` is
+    ``"recompute"`` over a group)."""
+    if is_sharded(model):
+        raise ValueError("the model is already sharded over devices: give the unsharded model with "
+                         "tensor_parallel=group, which shards it")  # fmt: skip
+    if group is None:
+        return swap_policy
+    if has_merged_projections(model):
+        raise ValueError("the model's projections were merged by an engine on one device: give the model as "
+                         "loaded with tensor_parallel=group, which shards it")  # fmt: skip
+    if kv_disk_cache is not None:
+        raise ValueError("kv_disk_cache: the disk tier is not shared by the ranks of a tensor-parallel engine")
+    if scheduler == "priority":
+        raise ValueError("scheduler 'priority' ages requests by each rank's own clock: use 'fcfs' with "
+                         "tensor_parallel")  # fmt: skip
+    swap_policy = "recompute" if swap_policy == "auto" else swap_policy
+    if swap_policy not in ("recompute", "cpu"):
+        raise ValueError(f"swap_policy {swap_policy!r} may decide differently on each rank: use 'recompute' "
+                         "or 'cpu' with tensor_parallel")  # fmt: skip
+    return swap_policy
+
+
+def check_kernel(kernel, model, layouts, kv_bits: Optional[int]) -> None:
+    """ValueError naming what the model's attention ``layouts`` (or ``kv_bits``) need that ``kernel`` does not
+    do: quantized K/V, multi-head latent attention, sliding windows, softcapped scores."""
+    if kv_bits is not None and not getattr(kernel, "quantized", False):
+        raise ValueError(f"attention kernel {kernel.name!r} cannot read quantized K/V (kv_bits)")
+    needs = [
+        (any(layout.latent for layout in layouts) and not hasattr(kernel, "latent_attention"),
+         "has no latent_attention, which multi-head latent attention (MLA) needs"),
+        (any(layout.window for layout in layouts) and not getattr(kernel, "windowed", False),
+         "does not take a window, which the model's sliding-window layers need"),
+        (has_softcapped_attention(model) and not getattr(kernel, "softcapped", False),
+         "does not take softcapped scores, which the model's attention needs"),
+    ]  # fmt: skip
+    for missing, what in needs:
+        if missing:
+            raise ValueError(f"{architecture(model)}: attention kernel {kernel.name!r} {what}")
