@@ -1,8 +1,6 @@
 """What an engine refuses before it builds anything: a model or options that the ranks of a tensor-parallel
 group cannot share or would decide differently on, and models whose attention the kernel cannot serve."""
 
-from typing import Optional
-
 from ..models.merged_projections import has_merged_projections
 from ..models.paged_cache import architecture
 from ..models.softcapped import has_softcapped_attention
@@ -33,11 +31,9 @@ def check_group(model, group, kv_disk_cache, scheduler: str, swap_policy: str) -
     return swap_policy
 
 
-def check_kernel(kernel, model, layouts, kv_bits: Optional[int]) -> None:
-    """ValueError naming what the model's attention ``layouts`` (or ``kv_bits``) need that ``kernel`` does not
-    do: quantized K/V, multi-head latent attention, sliding windows, softcapped scores."""
-    if kv_bits is not None and not getattr(kernel, "quantized", False):
-        raise ValueError(f"attention kernel {kernel.name!r} cannot read quantized K/V (kv_bits)")
+def check_kernel(kernel, model, layouts) -> None:
+    """ValueError naming what the model's attention ``layouts`` need that ``kernel`` does not do: multi-head
+    latent attention, sliding windows, softcapped scores."""
     needs = [
         (any(layout.latent for layout in layouts) and not hasattr(kernel, "latent_attention"),
          "has no latent_attention, which multi-head latent attention (MLA) needs"),

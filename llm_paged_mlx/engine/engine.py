@@ -118,6 +118,8 @@ class Engine:
         policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
         swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(attention_kernel)
+        if kv_bits is not None and not getattr(self.kernel, "quantized", False):
+            raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
         if self.group is not None:
@@ -138,7 +140,7 @@ class Engine:
             enable_prefix_caching, kv_disk_cache = False, None
         if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
             kv_disk_cache = None
-        check_kernel(self.kernel, model, layouts, kv_bits)
+        check_kernel(self.kernel, model, layouts)
         fold_quantized_rows(model)
         if mx.default_device() == mx.gpu:
             merge_projections(model)
