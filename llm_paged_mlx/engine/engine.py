@@ -311,9 +311,7 @@ class Engine:
                 if steps.can_run_ahead(launched):  # the next step is built before this one is read
                     steps.run_ahead(launched)
                     return
-                read = steps.wait(launched)
-                steps.in_flight = None
-                steps.apply(launched, *read)
+                steps.finish(launched)
             self._grow_pool()
             built = steps.transaction(steps.plan)
             if built is not None:

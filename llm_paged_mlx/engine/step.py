@@ -320,6 +320,12 @@ class StepPipeline:
         self.unread = launched
         self.read(launched)
 
+    def finish(self, launched: BuiltStep) -> None:
+        """Wait for the step in flight to end, and hand out its tokens."""
+        read = self.wait(launched)
+        self.in_flight = None
+        self.apply(launched, *read)
+
     def read(self, launched: BuiltStep) -> None:
         """Wait for a step that another launched step follows, and hand out its tokens."""
         read = self.wait(launched, synchronize=False)
