@@ -22,7 +22,7 @@ from .grammar import Grammars
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, format_size
 from .model_check import check_against_mlx_lm
-from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob
+from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob, take_token
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups
 from .scheduler import Scheduler
@@ -355,20 +355,11 @@ class Engine:
             self.outbox[chunk.request_id].append(chunk)
 
     def _append(self, request: Request, token: int) -> StreamChunk:
-        p = request.params
-        if token in request.stop_token_ids:
-            return self._finish(request, "stop", [])
-        request.output_token_ids.append(token)
         text = self.texts.get(request.request_id)
-        if text is not None and text.add(token):
-            return self._finish(request, "stop", [token])
-        if request.grammar is not None:
-            request.grammar.consume_token(token)
-            if request.grammar.is_stopped():  # the JSON is whole and nothing may follow it
-                return self._finish(request, "stop", [token])
-        if len(request.output_token_ids) >= p.max_tokens or request.num_tokens >= request.max_total_tokens:
-            return self._finish(request, "length", [token])
-        return StreamChunk(request.request_id, [token], text.take(final=False) if text else None)
+        reason, new_tokens = take_token(request, token, text)
+        if reason is not None:
+            return self._finish(request, reason, new_tokens)
+        return StreamChunk(request.request_id, new_tokens, text.take(final=False) if text else None)
 
     def _finish(self, request: Request, reason: str, new_tokens: list[int]) -> StreamChunk:
         request.status, request.finish_reason = Status.FINISHED, reason

@@ -1,4 +1,5 @@
-"""What the engine hands back: stream chunks, finished outputs, and the text of each request."""
+"""What the engine hands back: stream chunks, finished outputs, the text of each request, and the rules by which
+a request stops."""
 
 from dataclasses import dataclass, field
 from typing import Optional
@@ -88,3 +89,22 @@ class OutputText:
             self.text = self.text[: min(hits)]
             self.stopped = True
         return bool(hits)
+
+
+def take_token(request, token: int, text: Optional[OutputText]) -> tuple[Optional[str], list[int]]:
+    """Give ``request`` (an ``engine.request.Request``) its sampled ``token``, its ``text`` and grammar
+    following it, by the stop rules: why it ends with this token, if it does ("stop": one of its stop tokens,
+    which is not kept, a stop string, or a whole JSON value; "length": ``max_tokens`` or the context), and
+    the tokens it gains."""
+    if token in request.stop_token_ids:
+        return "stop", []
+    request.output_token_ids.append(token)
+    if text is not None and text.add(token):
+        return "stop", [token]
+    if request.grammar is not None:
+        request.grammar.consume_token(token)
+        if request.grammar.is_stopped():  # the JSON is whole and nothing may follow it
+            return "stop", [token]
+    if len(request.output_token_ids) >= request.params.max_tokens or request.num_tokens >= request.max_total_tokens:
+        return "length", [token]
+    return None, [token]
