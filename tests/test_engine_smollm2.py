@@ -1,5 +1,7 @@
 """The engine on the real SmolLM2-135M-Instruct against mlx-lm's stream_generate."""
 
+import json
+
 import mlx.core as mx
 import pytest
 from mlx_lm.generate import stream_generate
@@ -85,6 +87,36 @@ def test_text_prompt_answer_and_stop_string(smollm2):
     assert streamed == cut.text
     assert engine.stats()["free_blocks"] == 63
     mx.clear_cache()
+
+
+def test_prompt_lookup_matches_stream_generate_beside_a_schema_request(smollm2):
+    """Speculative decoding (ngram) on a real model and a task that repeats its input: mlx-lm's tokens and
+    text, a stop string inside an accepted draft, and a JSON-schema request (never drafted) in the same steps."""
+    model, tokenizer = smollm2
+    edit = chat(tokenizer, "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n" + STORY)
+    question = chat(tokenizer, QUESTIONS[4])
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
+    constrained = SamplingParams(max_tokens=20, json_schema=schema)
+    ask = chat(tokenizer, "Is water wet? Answer in JSON.")
+    engine = Engine(model, tokenizer, num_blocks=96, speculative="ngram")
+    plain = Engine(model, tokenizer, num_blocks=96).generate([ask], constrained)[0]
+    free = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in (edit, question)]
+    stopped = engine.add_request(edit, SamplingParams(max_tokens=40, stop=["steps"]))
+    json_id = engine.add_request(ask, constrained)
+    outputs = {}
+    while engine.has_unfinished():
+        for chunk in engine.step():
+            out = outputs.setdefault(chunk.request_id, {"tokens": [], "text": ""})
+            out["tokens"] += chunk.token_ids
+            out["text"] += chunk.text
+    for rid, prompt in zip(free, (edit, question)):
+        assert (outputs[rid]["tokens"], outputs[rid]["text"]) == reference(model, tokenizer, prompt, 40)
+    whole = outputs[free[0]]["text"]
+    assert "steps" in whole and outputs[stopped]["text"] == whole[: whole.index("steps")]
+    assert outputs[json_id]["tokens"] == plain.token_ids
+    assert json.loads(outputs[json_id]["text"])["answer"] in ("yes", "no")
+    stats = engine.stats()
+    assert stats["accepted_draft_tokens"] > 10 and stats["free_blocks"] == stats["num_blocks"]
 
 
 def test_from_pretrained_loads_dequantized_on_cpu(smollm2):

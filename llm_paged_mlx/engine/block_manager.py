@@ -296,6 +296,20 @@ class BlockManager:
         seq.table = []  # a new list: the journal keeps the old one
         seq.num_cached = seq.live_from = 0
 
+    def truncate(self, seq: SequenceBlocks, num_tokens: int) -> None:
+        """Return the blocks past the sequence's first ``num_tokens`` tokens (slots of drafted tokens that
+        were rejected). They were never full of computed tokens, so none is in the prefix cache."""
+        keep = -(-num_tokens // self.block_size)
+        if len(seq.table) <= keep:
+            return
+        if seq.num_cached > keep:
+            raise ValueError(f"cannot truncate a sequence to {num_tokens} tokens: {seq.num_cached} blocks are cached")
+        self._save_sequence(seq)
+        for block_id in reversed(seq.table[keep:]):
+            if block_id != NULL_BLOCK:
+                self._unref(block_id)
+        seq.table = seq.table[:keep]  # a new list: the journal keeps the old one
+
     def forget_cached(self) -> None:
         """Empty the prefix cache (the K/V its blocks hold can no longer be trusted)."""
         for block_id in self.cached.values():

@@ -1,10 +1,12 @@
 """What an engine refuses before it builds anything: a model or options that the ranks of a tensor-parallel
-group cannot share or would decide differently on, and models whose attention the kernel cannot serve."""
+group cannot share or would decide differently on, models whose attention the kernel cannot serve, and
+speculative decoding where verified drafts would not give the tokens decoding gives."""
 
 from ..models.merged_projections import has_merged_projections
 from ..models.paged_cache import architecture
 from ..models.softcapped import has_softcapped_attention
 from ..parallel.collectives import is_sharded
+from .speculative import check_options
 
 
 def check_group(model, group, kv_disk_cache, scheduler: str, swap_policy: str) -> str:
@@ -45,3 +47,17 @@ def check_kernel(kernel, model, layouts) -> None:
     for missing, what in needs:
         if missing:
             raise ValueError(f"{architecture(model)}: attention kernel {kernel.name!r} {what}")
+
+
+def check_speculative(speculative, num_tokens, max_batch, model, kv_bits, state_layouts) -> None:
+    """ValueError for speculative options out of range, or speculative decoding (``speculative``: its mode, or
+    None) that would not be exact for this model."""
+    check_options(speculative, num_tokens, max_batch)
+    if speculative is None:
+        return
+    if state_layouts:
+        raise ValueError(f"{architecture(model)}: speculative decoding cannot take back the recurrent state that "
+                         "rejected draft tokens change; leave speculative unset for this model")  # fmt: skip
+    if kv_bits is not None:
+        raise ValueError("speculative decoding with kv_bits: draft tokens would attend to each other's K/V before "
+                         "quantization, so answers could differ from decoding's; use one or the other")  # fmt: skip

@@ -16,17 +16,18 @@ from ..models.quantized_rows import fold_quantized_rows
 from ..models.state_cache import StateLayout
 from ..parallel.collectives import check_same_options, shard_model
 from .block_manager import BlockManager
-from .checks import check_group, check_kernel
+from .checks import check_group, check_kernel, check_speculative
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, format_size
 from .model_check import check_against_mlx_lm
-from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob, take_token
+from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob, joined, take_token
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups
 from .scheduler import Scheduler
 from .sizing import size_pools
+from .speculative import DEFAULT_MAX_BATCH, Speculator
 from .step import LaunchedStepFailed, StepPipeline
 from .swap import discard
 
@@ -84,6 +85,10 @@ class Engine:
     Models with sliding-window layers keep a block table per group of layers
     (``engine.kv_groups``): a windowed group returns the blocks its window has
     passed. The disk tier is off for them (it keeps one table per prompt).
+
+    ``speculative="ngram"`` drafts up to ``num_speculative_tokens`` tokens a
+    step for decoding requests by prompt lookup and verifies them in the same
+    step, when at most ``speculative_max_batch`` run (``engine.speculative``).
     """
 
     def __init__(
@@ -108,6 +113,9 @@ class Engine:
         verify_model: bool = True,
         verdict_file=None,
         tensor_parallel: Optional[mx.distributed.Group] = None,
+        speculative: Optional[str] = None,
+        num_speculative_tokens: int = 4,
+        speculative_max_batch: int = DEFAULT_MAX_BATCH,
     ):
         if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -129,6 +137,8 @@ class Engine:
                 max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler,
                 attention_kernel=attention_kernel, enable_prefix_caching=enable_prefix_caching,
                 swap_policy=swap_policy, compile_steps=compile_steps, verify_model=verify_model,
+                speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+                speculative_max_batch=speculative_max_batch,
             )  # fmt: skip
             check_same_options(options, self.group)
             shard_model(model, self.group)
@@ -141,6 +151,8 @@ class Engine:
         if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
             kv_disk_cache = None
         check_kernel(self.kernel, model, layouts)
+        check_speculative(speculative, num_speculative_tokens, speculative_max_batch, model, kv_bits, state_layouts)
+        speculator = speculative and Speculator(speculative, num_speculative_tokens, speculative_max_batch)
         fold_quantized_rows(model)
         if mx.default_device() == mx.gpu:
             merge_projections(model)
@@ -179,7 +191,7 @@ class Engine:
         self._ids = itertools.count()
         self._interrupts = HeldInterrupts()
         self.steps = StepPipeline(self.blocks, self.scheduler, self.runner, swap, self.grammars, self.group,
-                                  self._interrupts, self._deliver)  # fmt: skip
+                                  self._interrupts, self._deliver, speculator)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
@@ -258,14 +270,7 @@ class Engine:
             return None
         unreturned = [c for c in self._ready if c.request_id == request_id]
         self._ready = [c for c in self._ready if c.request_id != request_id]
-        last = self._finish(request, "abort", [])
-        for chunk in reversed(unreturned):
-            last.token_ids = chunk.token_ids + last.token_ids
-            if chunk.logprobs is not None:
-                last.logprobs = chunk.logprobs + (last.logprobs or [])
-            if chunk.text is not None:
-                last.text = chunk.text + last.text
-        return last
+        return joined(unreturned, self._finish(request, "abort", []))
 
     def has_unfinished(self) -> bool:
         """Whether a request is unfinished or a chunk is yet to be returned (after a step that raised)."""
@@ -376,6 +381,8 @@ class Engine:
             request.swap_handle = None
         request.saved_state = None
         self.runner.states.release(request.request_id)
+        if self.steps.speculator is not None:
+            self.steps.speculator.forget(request.request_id)
         self.scheduler.remove(request)
         del self.requests[request.request_id]
         text = self.texts.pop(request.request_id, None)
@@ -383,7 +390,8 @@ class Engine:
             text.finish()
         new_text = text.take(final=True) if text else None
         return StreamChunk(
-            request.request_id, new_tokens, new_text, reason, request.num_cached_tokens, request.num_disk_cached_tokens
+            request.request_id, new_tokens, new_text, reason, request.num_cached_tokens, request.num_disk_cached_tokens,
+            drafted=request.drafted if request.drafted.drafts else None,
         )
 
     # -- conveniences ---------------------------------------------------------
@@ -409,7 +417,7 @@ class Engine:
                 self.step()
                 for rid in list(pending):
                     for chunk in self.outbox[rid]:
-                        self._fold(outputs[rid], chunk)
+                        outputs[rid].add(chunk)
                         if chunk.finish_reason:
                             pending.discard(rid)
                     self.outbox[rid] = []
@@ -462,6 +470,7 @@ class Engine:
             "prefix_cache_hit_tokens": self.scheduler.prefix_hit_tokens,
             "disk_cache_hit_tokens": self.scheduler.disk_hit_tokens,
             "attention_kernel": self.kernel.name,
+            **(self.steps.speculator.stats() if self.steps.speculator else {"speculative": None}),
         }
 
     # -- helpers --------------------------------------------------------------
@@ -479,17 +488,6 @@ class Engine:
         if vocab and not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
         return token_ids
-
-    @staticmethod
-    def _fold(output: RequestOutput, chunk: StreamChunk) -> None:
-        output.token_ids += chunk.token_ids
-        if chunk.logprobs is not None:
-            output.logprobs = (output.logprobs or []) + chunk.logprobs
-        if chunk.text is not None:
-            output.text += chunk.text
-        output.finish_reason = chunk.finish_reason
-        output.num_cached_tokens = chunk.num_cached_tokens
-        output.num_disk_cached_tokens = chunk.num_disk_cached_tokens
 
 
 def encode_text(tokenizer, text: str) -> list[int]:

@@ -152,6 +152,12 @@ def allocate_prefix(manager: BlockManager, tables: list[SequenceBlocks], token_i
     return min(manager.allocate_prefix(seq, token_ids, blocks) for seq, blocks in zip(tables, found))
 
 
+def truncate(manager: BlockManager, tables: list[SequenceBlocks], num_tokens: int) -> None:
+    """Each table's blocks past the first ``num_tokens`` tokens returned (``BlockManager.truncate``)."""
+    for seq in tables:
+        manager.truncate(seq, num_tokens)
+
+
 def live_blocks(manager: BlockManager, tables: list[SequenceBlocks], num_tokens: int) -> list[int]:
     """The blocks that hold the tables' first ``num_tokens`` tokens and that a query after them reaches,
     table after table: what a swap keeps of a preempted request, and writes back when it resumes."""

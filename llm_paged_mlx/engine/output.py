@@ -4,6 +4,8 @@ a request stops."""
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .speculative import DraftCounts
+
 
 @dataclass
 class TokenLogprob:
@@ -25,6 +27,7 @@ class StreamChunk:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (set when finished)
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     logprobs: Optional[list[TokenLogprob]] = None  # one per token id, if the request asked for them
+    drafted: Optional[DraftCounts] = None  # what speculative decoding drafted for it (set when finished)
 
 
 @dataclass
@@ -37,6 +40,31 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     logprobs: Optional[list[TokenLogprob]] = None  # one per token id, if the request asked for them
+    drafted: Optional[DraftCounts] = None  # what speculative decoding drafted for it
+
+    def add(self, chunk: StreamChunk) -> None:
+        """Take in the request's next chunk."""
+        self.token_ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + chunk.logprobs
+        if chunk.text is not None:
+            self.text += chunk.text
+        self.finish_reason = chunk.finish_reason
+        self.num_cached_tokens = chunk.num_cached_tokens
+        self.num_disk_cached_tokens = chunk.num_disk_cached_tokens
+        self.drafted = chunk.drafted
+
+
+def joined(earlier: list[StreamChunk], last: StreamChunk) -> StreamChunk:
+    """``last`` with the tokens, text and log-probabilities of the ``earlier`` chunks of its request before
+    its own."""
+    for chunk in reversed(earlier):
+        last.token_ids = chunk.token_ids + last.token_ids
+        if chunk.logprobs is not None:
+            last.logprobs = chunk.logprobs + (last.logprobs or [])
+        if chunk.text is not None:
+            last.text = chunk.text + last.text
+    return last
 
 
 class OutputText:

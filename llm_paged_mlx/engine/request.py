@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .block_manager import SequenceBlocks
+from .speculative import DraftCounts
 
 _arrivals = itertools.count()
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs
@@ -115,6 +116,7 @@ class Request:
     finish_reason: Optional[str] = None
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
+    drafted: DraftCounts = field(default_factory=DraftCounts)  # what speculative decoding drafted for it
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
     saved_state: Optional[list] = None  # with a swap handle: host copies of its recurrent state, if it has one
     num_preemptions: int = 0

@@ -232,7 +232,8 @@ class ModelRunner:
                 array[rows] = next(parts)
 
     def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> mx.array:
-        """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order.
+        """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order (a row for each of
+        a chunk's ``num_sampled`` positions).
 
         ``chunks`` must list single-token chunks first. ``input_tokens``, if
         given, is the step's tokens as an array (one per row: single-token
@@ -242,8 +243,7 @@ class ModelRunner:
         sample_rows, row = [], 0
         for chunk in chunks:
             row += chunk.num_tokens
-            if chunk.completes:
-                sample_rows.append(row - 1)
+            sample_rows += range(row - chunk.num_sampled, row)
         if self.compile_steps and all(self._as_rows(c) for c in chunks):
             hidden = self._forward_rows(chunks, input_tokens)
         else:
@@ -342,7 +342,7 @@ class ModelRunner:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             if input_tokens is None:
-                tokens[row : row + n] = request.token_slice(start, start + n)
+                tokens[row : row + n] = chunk.token_ids()
             positions[row : row + n] = np.arange(start, start + n)
             for group, seq in enumerate(request.tables):
                 slots[group, row : row + n] = chunk.slots[group]
@@ -445,7 +445,7 @@ class ModelRunner:
         for b, chunk in enumerate(group):
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
-            tokens[b, :n] = request.token_slice(start, start + n)
+            tokens[b, :n] = chunk.token_ids()
             for g in groups:
                 prefills[g].append(self._prefill_chunk(chunk, len(positions), g))
                 slots[g] += chunk.slots[g]
@@ -493,7 +493,7 @@ class ModelRunner:
             request, n = chunk.request, chunk.num_tokens
             start = request.num_computed
             row = len(tokens)
-            tokens.extend(request.token_slice(start, start + n))
+            tokens.extend(chunk.token_ids())
             positions.extend(range(start, start + n))
             if n == 1 and row >= len(decode):
                 raise ValueError("single-token chunks must come first")

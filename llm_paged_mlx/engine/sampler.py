@@ -3,8 +3,9 @@
 A request's logit bias is added to its row first (the rows of requests without
 one are left as they are). Greedy rows share one argmax. A sampled row applies
 mlx-lm's top-p, min-p and top-k filters; a seeded request draws with a key made
-from its seed and the number of tokens it has generated, so its tokens do not
-depend on what else is in the batch. Log-probabilities, for the requests that
+from its seed and the number of tokens it has generated before the row's, so its
+tokens depend neither on what else is in the batch nor on whether a row verifies a
+draft. Log-probabilities, for the requests that
 ask for them, are the model's (before bias, temperature and filters).
 """
 
@@ -28,9 +29,12 @@ class StepLogprobs:
     top_values: Optional[mx.array]
 
 
-def sample(logits: mx.array, requests: list[Request], allowed: Optional[mx.array] = None) -> mx.array:
+def sample(
+    logits: mx.array, requests: list[Request], allowed: Optional[mx.array] = None, ahead: Optional[list[int]] = None
+) -> mx.array:
     """One token per row of ``logits`` (lazy), row ``i`` for ``requests[i]``, among the tokens ``allowed``
-    (booleans shaped as the logits; None: all) before any other filter."""
+    (booleans shaped as the logits; None: all) before any other filter. ``ahead[i]``: the tokens between the
+    request's last and row ``i``'s (drafted tokens it verifies; None: 0 for every row)."""
     if any(r.params.logit_bias for r in requests):
         logits = _biased(logits, requests)
     if allowed is not None:
@@ -43,7 +47,7 @@ def sample(logits: mx.array, requests: list[Request], allowed: Optional[mx.array
         if request.params.temperature == 0:
             tokens.append(greedy[i : i + 1])
         else:
-            tokens.append(_sample_row(logits[i : i + 1], request))
+            tokens.append(_sample_row(logits[i : i + 1], request, ahead[i] if ahead else 0))
     return mx.concatenate(tokens)
 
 
@@ -63,7 +67,7 @@ def _biased(logits: mx.array, requests: list[Request]) -> mx.array:
     return logits.astype(mx.float32).at[mx.array(rows), mx.array(ids)].add(mx.array(biases, dtype=mx.float32))
 
 
-def _sample_row(logits: mx.array, request: Request) -> mx.array:
+def _sample_row(logits: mx.array, request: Request, ahead: int) -> mx.array:
     p = request.params
     logprobs = logits.astype(mx.float32)
     logprobs = logprobs - mx.logsumexp(logprobs, axis=-1, keepdims=True)
@@ -75,7 +79,7 @@ def _sample_row(logits: mx.array, request: Request) -> mx.array:
         logprobs = apply_top_k(logprobs, p.top_k)
     key = None
     if p.seed is not None:
-        key = mx.random.key((p.seed * 1_000_003 + len(request.output_token_ids)) % 2**64)
+        key = mx.random.key((p.seed * 1_000_003 + len(request.output_token_ids) + ahead) % 2**64)
     return mx.random.categorical(logprobs * (1 / p.temperature), key=key)
 
 

@@ -77,16 +77,31 @@ def register_schedulers(register):
 
 @dataclass
 class ScheduledChunk:
-    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to in each of its tables."""
+    """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to in each of its tables.
+
+    A decoding request's chunk may end in a ``draft`` (``engine.speculative``): tokens guessed to follow its
+    last one, counted in ``num_tokens``, whose positions are all sampled to verify them.
+    """
 
     request: Request
     num_tokens: int
     slots: list[list[int]]
+    draft: list[int] = field(default_factory=list)
 
     @property
     def completes(self) -> bool:
         """Whether the chunk reaches the request's last token, so its logits are sampled."""
-        return self.request.num_computed + self.num_tokens == self.request.num_tokens
+        return self.request.num_computed + self.num_tokens - len(self.draft) == self.request.num_tokens
+
+    @property
+    def num_sampled(self) -> int:
+        """The chunk's positions whose logits are sampled: its last, and its draft's."""
+        return 1 + len(self.draft) if self.completes else 0
+
+    def token_ids(self) -> list[int]:
+        """The tokens the chunk computes: the request's next ones, then its draft."""
+        start = self.request.num_computed
+        return self.request.token_slice(start, start + self.num_tokens - len(self.draft)) + self.draft
 
 
 @dataclass
@@ -193,7 +208,10 @@ class Scheduler:
 
     # -- planning -----------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self, drafts: Optional[dict[int, list[int]]] = None) -> StepPlan:
+        """Plan the next step; ``drafts`` (request id -> tokens) extend decoding requests' chunks with what
+        budget and free blocks are left once every running request has its tokens and waiting ones are
+        admitted: a draft never preempts, nor delays another request."""
         plan = StepPlan(chunks=[])
         budget = self.max_num_batched_tokens
         self.running.sort(key=self.policy.key)
@@ -214,9 +232,26 @@ class Scheduler:
                 budget -= count
                 index += 1
         if not plan.preempted:
-            self._admit(plan, budget)
+            budget = self._admit(plan, budget)
+        if drafts:
+            self._extend(plan, drafts, budget)
         plan.chunks.sort(key=lambda chunk: chunk.num_tokens != 1)
         return plan
+
+    def _extend(self, plan: StepPlan, drafts: dict[int, list[int]], budget: int) -> None:
+        """Add each decoding chunk's draft, as far as ``budget`` and free blocks go."""
+        for chunk in plan.chunks:
+            request = chunk.request
+            draft = drafts.get(request.request_id, [])[:budget]
+            if not draft or chunk.num_tokens != 1 or not chunk.completes:
+                continue
+            start = request.num_computed + 1
+            slots = kv_groups.append_slots(self.blocks, request.tables, start, len(draft), lambda: request.token_ids)
+            if slots is None:
+                continue
+            chunk.draft, chunk.num_tokens = draft, 1 + len(draft)
+            chunk.slots = [mine + more for mine, more in zip(chunk.slots, slots)]
+            budget -= len(draft)
 
     def _victim(self, index: int) -> Request:
         """The lowest-ranked running request below ``running[index]`` that may be preempted, else that one."""
@@ -235,22 +270,24 @@ class Scheduler:
         self.waiting.append(victim)
         self.num_preemptions += 1
 
-    def _admit(self, plan: StepPlan, budget: int) -> None:
+    def _admit(self, plan: StepPlan, budget: int) -> int:
+        """Admit waiting requests in policy order while budget, sequences and blocks last; the budget left."""
         self.waiting.sort(key=self.policy.key)
         passed_over: list[Request] = []
         for request in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
-                return
+                break
             chunk = self._admit_one(request, budget, plan)
             if chunk is None:
                 passed_over.append(request)
                 if request.num_bypassed >= MAX_BYPASSES:
-                    return
+                    break
                 continue
             budget -= chunk.num_tokens
             for waiting in passed_over:
                 self.touch(waiting)
                 waiting.num_bypassed += 1
+        return budget
 
     def _admit_one(self, request: Request, budget: int, plan: StepPlan) -> Optional[ScheduledChunk]:
         """Admit ``request`` with a chunk of at most ``budget`` tokens if its blocks fit; None if not."""

@@ -1,6 +1,7 @@
 """A step's life in the engine: planned, prepared and built as one transaction, launched on the device, its
 tokens read and handed to their requests; and run-ahead, where the next decode step is built (or launched)
-on a step's tokens before they are read.
+on a step's tokens before they are read. With a ``Speculator``, decoding requests' chunks carry drafts: a step
+verifies them, and what it rejects is given back (``engine.speculative``).
 
 A step is a transaction: an exception before its launch (from a policy, a kernel, the model, or Ctrl-C while
 waiting for the device) undoes it all: requests, blocks, counters and K/V pools are as if it had never been
@@ -15,7 +16,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..parallel.collectives import rank_zero_tokens
-from . import kv_groups
+from . import kv_groups, speculative
 from .disk.format import device, host
 from .output import TokenLogprob
 from .request import Request
@@ -26,8 +27,9 @@ from .swap import discard
 
 @dataclass
 class BuiltStep:
-    """A step built (lazy arrays): its chunks, who it samples, who it fills a block for, its logits until
-    they are sampled, and the sampled tokens and log-probabilities."""
+    """A step built (lazy arrays): its chunks, who it samples (by row: a drafted chunk samples a row for each
+    of its positions, ``ahead`` counting them), who it fills a block for, its logits until they are sampled,
+    the sampled tokens and log-probabilities, and the drafts it verifies (by their chunk's first row)."""
 
     chunks: list[ScheduledChunk]
     sampled: list[Request]
@@ -35,6 +37,8 @@ class BuiltStep:
     logits: Optional[mx.array]
     tokens: Optional[mx.array] = None
     logprobs: Optional[StepLogprobs] = None
+    ahead: list[int] = field(default_factory=list)
+    drafts: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def constrained(self) -> bool:
@@ -71,7 +75,8 @@ class StepPipeline:
     and outputs); ``interrupts`` (``HeldInterrupts``) lets Ctrl-C through while waiting for the device.
     """
 
-    def __init__(self, blocks, scheduler, runner, swap, grammars, group, interrupts, deliver: Callable):
+    def __init__(self, blocks, scheduler, runner, swap, grammars, group, interrupts, deliver: Callable,
+                 speculator: Optional[speculative.Speculator] = None):  # fmt: skip
         self.blocks = blocks
         self.scheduler = scheduler
         self.runner = runner
@@ -80,6 +85,7 @@ class StepPipeline:
         self.group = group
         self.interrupts = interrupts
         self.deliver = deliver
+        self.speculator = speculator
         self.in_flight: Optional[BuiltStep] = None  # a step launched on the device, its tokens not yet read
         self.unread: Optional[BuiltStep] = None  # a step before in_flight, not read yet (see _launch_ahead)
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
@@ -132,7 +138,10 @@ class StepPipeline:
     def plan(self, handles: SwapHandles) -> Optional[BuiltStep]:
         """The next step scheduled, its writes protected, its swaps, copies and disk loads done, and built
         (``transaction``'s work); None when nothing is scheduled."""
-        plan = self.scheduler.schedule()
+        drafts = self.speculator.propose(self.scheduler.running) if self.speculator else None
+        plan = self.scheduler.schedule(drafts)
+        if drafts:
+            self.speculator.unscheduled(drafts, plan.chunks)
         self._protect(plan)
         self._prepare(plan, handles)
         return self._build(plan.chunks) if plan.chunks else None
@@ -184,16 +193,20 @@ class StepPipeline:
         """Build a forward pass and, unless it is constrained, its sampling (lazy arrays: ``launch`` starts
         them)."""
         logits = self.runner.forward(chunks, input_tokens)
-        sampled = [c.request for c in chunks if c.completes]
         size = self.blocks.block_size
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
-        built = BuiltStep(chunks, sampled, filled, logits)
-        if sampled and not built.constrained:
+        built = BuiltStep(chunks, [], filled, logits)
+        for chunk in chunks:
+            if chunk.draft and chunk.completes:
+                built.drafts[len(built.sampled)] = chunk.draft
+            built.sampled += [chunk.request] * chunk.num_sampled
+            built.ahead += range(chunk.num_sampled)
+        if built.sampled and not built.constrained:
             self._sample(built)
         return built
 
     def _sample(self, step: BuiltStep, allowed: Optional[mx.array] = None) -> None:
-        step.tokens = sample(step.logits, step.sampled, allowed)
+        step.tokens = sample(step.logits, step.sampled, allowed, step.ahead if step.drafts else None)
         if self.group is not None:
             step.tokens = rank_zero_tokens(step.tokens, self.group)
         step.logprobs = logprobs(step.logits, step.tokens, step.sampled)
@@ -259,13 +272,31 @@ class StepPipeline:
 
     def apply(self, launched: BuiltStep, tokens: list[int], token_logprobs: dict[int, TokenLogprob]) -> None:
         """Hand a finished step's tokens to their requests (``deliver``), cache the blocks it filled."""
+        rejected, accepted = self._verify(launched, tokens) if launched.drafts else (set(), {})
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
+                token_ids = request.token_ids + accepted.get(request.request_id, [])
                 for seq in request.tables:
-                    self.blocks.cache_full_blocks(seq, request.token_ids, request.num_computed)
+                    self.blocks.cache_full_blocks(seq, token_ids, request.num_computed)
         for row, (request, token) in enumerate(zip(launched.sampled, tokens)):
-            if not request.finished:
+            if not request.finished and row not in rejected:
                 self.deliver(request, token, token_logprobs.get(row))
+
+    def _verify(self, launched: BuiltStep, tokens: list[int]) -> tuple[set[int], dict[int, list[int]]]:
+        """Check each draft against the tokens sampled at its positions: the rows whose tokens are not taken,
+        and each request's accepted draft tokens. The positions of rejected tokens are given back."""
+        rejected, accepted = set(), {}
+        for first, draft in launched.drafts.items():
+            request = launched.sampled[first]
+            taken = speculative.accepted(draft, tokens[first : first + len(draft) + 1])
+            rejected.update(range(first + len(taken), first + len(draft) + 1))
+            if request.finished:
+                continue
+            request.num_computed -= len(draft) + 1 - len(taken)  # the last taken token is computed next step
+            kv_groups.truncate(self.blocks, request.tables, request.num_computed)
+            accepted[request.request_id] = taken[:-1]
+            self.speculator.record(request, len(draft), len(taken) - 1)
+        return rejected, accepted
 
     def can_run_ahead(self, launched: BuiltStep) -> bool:
         """Whether the next step is surely one decode token for each request ``launched`` sampled.
@@ -275,7 +306,9 @@ class StepPipeline:
         token, and blocks and budget cover one more token each (no preemption).
         """
         running, sampled = self.scheduler.running, launched.sampled
-        if self.scheduler.waiting or not sampled or len(running) != len(sampled):
+        if self.scheduler.waiting or not sampled or len(running) != len(sampled) or launched.drafts:
+            return False
+        if self.speculator is not None and self.speculator.active(running):  # its next drafts follow these tokens
             return False
         if len(sampled) > self.scheduler.max_num_batched_tokens or set(map(id, running)) != set(map(id, sampled)):
             return False
