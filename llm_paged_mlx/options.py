@@ -3,7 +3,7 @@
 import re
 from typing import Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
@@ -74,10 +74,23 @@ class PagedOptions(BaseModel):
     max_num_batched_tokens: Optional[int] = Field(
         None, ge=1, description="Most tokens (prompt chunks and decoded tokens) in one step (default 2048)"
     )
+    speculative: Optional[Literal["ngram"]] = Field(
+        None, description="Speculative decoding: ngram drafts the answer's next tokens from the prompt and the answer "
+        "so far (prompt lookup) and checks them in one step: the same answer, faster where it repeats its input"
+    )
+    num_speculative_tokens: Optional[int] = Field(
+        None, ge=1, description="With speculative: the most tokens drafted a step (default 4, at most 16)"
+    )
     tensor_parallel: Optional[int] = Field(
         None, ge=1, description="Shard the model over this many processes on this machine, one per GPU (NVIDIA: nccl; "
         "elsewhere: ring); the first prompt starts them. No KV disk tier then"
     )
+
+    @model_validator(mode="after")
+    def _speculative_given(self):
+        if self.num_speculative_tokens is not None and self.speculative is None:
+            raise ValueError("num_speculative_tokens needs speculative (e.g. -o speculative ngram)")
+        return self
 
     @field_validator("kv_budget", mode="before")
     @classmethod
@@ -135,7 +148,8 @@ def engine_options(options: PagedOptions) -> dict:
         "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
         **{  # the Engine's own defaults where they are not given
             name: getattr(options, name)
-            for name in ("memory_fraction", "max_num_seqs", "max_num_batched_tokens")
+            for name in ("memory_fraction", "max_num_seqs", "max_num_batched_tokens", "speculative",
+                         "num_speculative_tokens")
             if getattr(options, name) is not None
         },
     }

@@ -111,6 +111,8 @@ class _Report:
             "disk_cache_hit_tokens": final.num_disk_cached_tokens,
             "peak_memory_bytes": mx.get_peak_memory(),
         }
+        if final.drafted:  # speculative decoding drafted for it
+            response.response_json.update(final.drafted.as_dict())
 
 
 class _PagedBase:

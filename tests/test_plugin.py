@@ -158,6 +158,18 @@ def test_usage_and_metrics_are_logged(user_dir):
     assert metrics["finish_reason"] == "stop" and "prefix_cache_hit_tokens" in metrics
 
 
+def test_speculative_decoding_answers_as_without_and_logs_its_drafts(user_dir):
+    question = ("Fix the spelling and write it out again: The comittee met on tuesday to discus the new libary "
+                "budjet, and agreed that the reading room needs new chairs.")  # fmt: skip
+    answer = ok("-m", "paged-smollm2", "-o", "speculative", "ngram", "-o", "max_tokens", 48, question)
+    assert answer == mlx_lm_answer(smollm2_dir(), question, 48) + "\n"
+    metrics = last_log()["response_json"]
+    assert metrics["accepted_draft_tokens"] > 0 and 0 < metrics["draft_acceptance_rate"] <= 1
+    assert metrics["tokens_per_draft_step"] > 1 and metrics["drafts"] > 0
+    error = run_llm("-m", "paged-smollm2", "-o", "speculative", "ngram", "-o", "num_speculative_tokens", 17, "hi")
+    assert_clean_error(error, "num_speculative_tokens must be an integer from 1 to 16")
+
+
 def test_chat_and_continue_carry_the_history_once(user_dir, seen_prompts):
     chat = ok("chat", "-m", "paged-smollm2", "-o", "max_tokens", 16, input=f"{FRANCE}\nAnd of Germany?\nquit\n")
     assert "Paris" in chat and "Berlin" in chat
@@ -212,6 +224,8 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     ("scheduler", "nosuch", ["unknown scheduler 'nosuch'", "fcfs"]),
     ("attention_kernel", "nosuch", ["unknown attention kernel 'nosuch'", "portable"]),
     ("prefix_cache", "maybe", ["prefix_cache"]),
+    ("speculative", "medusa", ["speculative", "'ngram'"]),
+    ("num_speculative_tokens", "3", ["num_speculative_tokens needs speculative"]),
     ("nosuch", "1", ["nosuch"]),
 ])
 def test_bad_options_are_clean_errors(user_dir, option, value, words):

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Iterator
 
 import httpx
@@ -33,6 +34,7 @@ from llm_paged_mlx.engine.disk.admin import block_files
 from llm_paged_mlx.engine.loop import EXIT_WAIT_S, EngineLoop, Submission, exit_at_once
 from llm_paged_mlx.options import PagedOptions, engine_options
 from llm_paged_mlx.server import ServedModel, create_app
+from llm_paged_mlx.server.metrics import ServerMetrics
 
 MODEL = "smollm2"
 KEY = "test-key"
@@ -953,3 +955,11 @@ def test_logit_bias_without_a_tokenizer_to_check_its_ids_is_400():
     assert status == 400 and "logit_bias needs the model's tokenizer" in json.loads(answer)["error"]["message"]
     assert asyncio.run(asgi_call(app, "/v1/completions", {**body, "logit_bias": None}))[0] == 200
     loop.stop()
+
+
+def test_metrics_count_speculative_drafts():
+    """/metrics carries the engine's draft counts under vLLM's names (its `rate` over them is the acceptance)."""
+    stats = {"running": 1, "drafts": 3, "draft_tokens": 10, "accepted_draft_tokens": 7}
+    text = ServerMetrics(SimpleNamespace(stats=stats, num_waiting=lambda: 0), "m").render().decode()
+    for name, value in [("drafts", 3), ("draft_tokens", 10), ("accepted_tokens", 7)]:
+        assert f'vllm:spec_decode_num_{name}_total{{model_name="m"}} {value}.0' in text

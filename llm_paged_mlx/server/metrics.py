@@ -14,7 +14,8 @@ REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.
 
 
 class _EngineCollector:
-    """What the engine loop knows at scrape time: requests running and waiting, K/V use, cache hits, preemptions."""
+    """What the engine loop knows at scrape time: requests running and waiting, K/V use, cache hits, preemptions,
+    speculative decoding's drafts."""
 
     def __init__(self, loop: EngineLoop, model_name: str):
         self.loop = loop
@@ -33,6 +34,11 @@ class _EngineCollector:
             (CounterMetricFamily, "vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache (memory and disk)",
              stats.get("prefix_cache_hit_tokens", 0)),
             (CounterMetricFamily, "vllm:num_preemptions", "Requests preempted to free KV blocks", stats.get("preemptions", 0)),
+            (CounterMetricFamily, "vllm:spec_decode_num_drafts", "Drafts verified (speculative decoding)",
+             stats.get("drafts", 0)),
+            (CounterMetricFamily, "vllm:spec_decode_num_draft_tokens", "Tokens drafted", stats.get("draft_tokens", 0)),
+            (CounterMetricFamily, "vllm:spec_decode_num_accepted_tokens", "Drafted tokens accepted",
+             stats.get("accepted_draft_tokens", 0)),
         ]
         for family, name, documentation, value in values:
             metric = family(name, documentation, labels=["model_name"])
