@@ -16,6 +16,7 @@ from models import tiny_model
 from smollm2 import smollm2_dir
 from test_engine import random_prompts
 from test_engine_smollm2 import chat
+from test_speculative import repeating_prompts
 
 from llm_paged_mlx import Engine, SamplingParams
 
@@ -59,6 +60,20 @@ def tiny(group, arch: str) -> dict:
         "kv_heads": int(model.layers[0].self_attn.n_kv_heads),
         **{key: stats[key] for key in ("preemptions", "prefix_cache_hit_tokens", "free_blocks", "num_blocks")},
     }
+
+
+def speculative(group, arch: str) -> dict:
+    """Prompt lookup over the group: greedy and unseeded sampled requests that repeat their prompts."""
+    model = tiny_model(arch)
+    mx.random.seed(1000 + group.rank())
+    engine = Engine(model, num_blocks=40, max_num_batched_tokens=64, tensor_parallel=group, speculative="ngram",
+                    speculative_max_batch=8)  # fmt: skip
+    prompts = repeating_prompts(6)
+    params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0 if i % 3 == 2 else 0.0) for i in range(6)]
+    outputs = engine.generate(prompts, params)
+    stats = engine.stats()
+    keys = ("accepted_draft_tokens", "draft_tokens", "free_blocks", "num_blocks")
+    return {"tokens": [o.token_ids for o in outputs], **{key: stats[key] for key in keys}}
 
 
 def quantized(group, arch: str) -> dict:
@@ -113,7 +128,8 @@ def dies(group, arch: str) -> dict:
 
 def main(case: str, arch: str, out: str):
     group = mx.distributed.init(strict=True, backend="ring")
-    cases = {"smollm2": smollm2, "tiny": tiny, "quantized": quantized, "refused": refused, "dies": dies}
+    cases = {"smollm2": smollm2, "tiny": tiny, "speculative": speculative, "quantized": quantized, "refused": refused,
+             "dies": dies}  # fmt: skip
     result = cases[case](group, arch)
     with open(out, "w") as f:
         json.dump({"rank": group.rank(), **result}, f)

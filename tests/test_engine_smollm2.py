@@ -91,13 +91,14 @@ def test_text_prompt_answer_and_stop_string(smollm2):
 
 def test_prompt_lookup_matches_stream_generate_beside_a_schema_request(smollm2):
     """Speculative decoding (ngram) on a real model and a task that repeats its input: mlx-lm's tokens and
-    text, a stop string inside an accepted draft, and a JSON-schema request (never drafted) in the same steps."""
+    text, a stop string inside an accepted draft, and a JSON-schema request whose drafts its grammar masks, in
+    the same steps."""
     model, tokenizer = smollm2
     edit = chat(tokenizer, "Fix the spelling mistakes in this paragraph and write it out again in full:\n\n" + STORY)
     question = chat(tokenizer, QUESTIONS[4])
-    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}
-    constrained = SamplingParams(max_tokens=20, json_schema=schema)
-    ask = chat(tokenizer, "Is water wet? Answer in JSON.")
+    schema = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 160}}, "required": ["text"]}
+    constrained = SamplingParams(max_tokens=70, json_schema=schema)
+    ask = chat(tokenizer, 'Put this text into JSON, as the value of "text":\n\n' + STORY)
     engine = Engine(model, tokenizer, num_blocks=96, speculative="ngram")
     plain = Engine(model, tokenizer, num_blocks=96).generate([ask], constrained)[0]
     free = [engine.add_request(p, SamplingParams(max_tokens=40)) for p in (edit, question)]
@@ -109,12 +110,13 @@ def test_prompt_lookup_matches_stream_generate_beside_a_schema_request(smollm2):
             out = outputs.setdefault(chunk.request_id, {"tokens": [], "text": ""})
             out["tokens"] += chunk.token_ids
             out["text"] += chunk.text
+            out["drafted"] = chunk.drafted
     for rid, prompt in zip(free, (edit, question)):
         assert (outputs[rid]["tokens"], outputs[rid]["text"]) == reference(model, tokenizer, prompt, 40)
     whole = outputs[free[0]]["text"]
     assert "steps" in whole and outputs[stopped]["text"] == whole[: whole.index("steps")]
-    assert outputs[json_id]["tokens"] == plain.token_ids
-    assert json.loads(outputs[json_id]["text"])["answer"] in ("yes", "no")
+    assert outputs[json_id]["tokens"] == plain.token_ids and outputs[json_id]["drafted"].accepted > 0
+    assert json.loads(outputs[json_id]["text"])["text"].startswith("The lighthouse keeper climbed")
     stats = engine.stats()
     assert stats["accepted_draft_tokens"] > 10 and stats["free_blocks"] == stats["num_blocks"]
 

@@ -21,6 +21,7 @@ from smollm2 import smollm2_dir
 from tensor_parallel_rank import MAX_TOKENS, QUESTIONS, SMOLLM2_TOKENS, requests
 from test_engine import random_prompts, reference
 from test_engine_smollm2 import chat
+from test_speculative import repeating_prompts
 
 from llm_paged_mlx import Engine, SamplingParams, cli
 from llm_paged_mlx.parallel import mirror
@@ -78,6 +79,21 @@ def test_two_ranks_give_mlx_lm_tokens_and_the_same_samples(tmp_path, arch):
     for rank in ranks:
         assert rank["kv_heads"] == model.layers[0].self_attn.n_kv_heads // RANKS
         assert rank["preemptions"] > 0 and rank["prefix_cache_hit_tokens"] > 0
+        assert rank["free_blocks"] == rank["num_blocks"]
+
+
+def test_prompt_lookup_over_two_ranks_gives_mlx_lm_tokens_and_the_same_samples(tmp_path):
+    """Every rank drafts and accepts alike: rank 0's tokens on both, greedy ones mlx-lm's, every block back."""
+    ranks = run_ranks(tmp_path, "speculative", "llama")
+    assert ranks[0]["tokens"] == ranks[1]["tokens"]
+    model = tiny_model("llama")
+    for i, (prompt, tokens) in enumerate(zip(repeating_prompts(6), ranks[0]["tokens"])):
+        if i % 3 == 2:  # sampled
+            assert len(tokens) == MAX_TOKENS
+        else:
+            assert tokens == reference(model, prompt, MAX_TOKENS)
+    for rank in ranks:
+        assert 0 < rank["accepted_draft_tokens"] < rank["draft_tokens"]
         assert rank["free_blocks"] == rank["num_blocks"]
 
 

@@ -7,9 +7,11 @@ lookup, as in vLLM and Hugging Face). No second model. The scheduler runs the
 request's pending token and its draft as one chunk with what budget and blocks
 are left, and the step samples a token at every one of those positions, each
 exactly as a step without the draft would sample it (same filters, same seeded
-key). ``accepted`` keeps the draft while the sampled token equals the drafted
-one, and then the first sampled token that differs (or the one after a whole
-accepted draft).
+key; a request with a JSON schema drafts what its grammar takes, and each
+position is masked by the grammar as it stands after the tokens before it).
+``accepted`` keeps the draft while the sampled token equals the drafted one, and
+then the first sampled token that differs (or the one after a whole accepted
+draft).
 
 That is exact for any temperature: a draft is one token per position (a point
 mass), so rejection sampling accepts it with the target's probability of it, and
@@ -123,7 +125,7 @@ class Speculator:
 
     def active(self, running: list) -> bool:
         """Whether the next step may draft for some of ``running`` (the scheduler's running requests)."""
-        return len(running) <= self.max_batch and any(r.grammar is None and not self._paused(r) for r in running)
+        return len(running) <= self.max_batch and not all(self._paused(r) for r in running)
 
     def propose(self, running: list) -> dict[int, list[int]]:
         """Drafts for the running requests that decode next (by request id); none when too many run."""
@@ -131,14 +133,16 @@ class Speculator:
             return {}
         drafts = {}
         for request in running:
-            if request.num_pending != 1 or request.grammar is not None or self._paused(request):
-                continue  # a prompt chunk runs, or a grammar would have to mask each drafted position
+            if request.num_pending != 1 or self._paused(request):
+                continue  # a prompt chunk runs
             room = min(
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 request.max_total_tokens - request.num_tokens - 1,
             )
             k = min(self._pace(request).length, room)
             draft = lookup(self._tokens(request), k) if k >= 1 else []
+            if draft and request.grammar is not None:  # as far as its grammar takes the tokens
+                draft = draft[: request.grammar.validate_tokens(draft)]
             if draft:
                 drafts[request.request_id] = draft
             elif k >= 1:

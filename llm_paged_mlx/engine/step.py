@@ -225,7 +225,7 @@ class StepPipeline:
             if not step.constrained:
                 self.runner.launch(*step.outputs())
                 return
-            grammars = [None if r.finished else r.grammar for r in step.sampled]  # finished while it was built
+            grammars = self._row_matchers(step)
             bitmask = self.grammars.bitmask_meanwhile(grammars)
             try:
                 self.runner.launch(step.logits)
@@ -235,6 +235,19 @@ class StepPipeline:
             mx.async_eval(*step.outputs())
         except BaseException as e:  # Ctrl-C too: a step launched in part is not one to wait for
             raise LaunchedStepFailed() from e
+
+    @staticmethod
+    def _row_matchers(step: BuiltStep) -> list:
+        """Each sampled row's grammar matcher (None: free, or finished while the step was built): its
+        request's, or for a drafted position a copy advanced past the drafted tokens before it."""
+        matchers = []
+        for request, ahead in zip(step.sampled, step.ahead):
+            matcher = None if request.finished else request.grammar
+            if matcher is not None and ahead:
+                matcher = matcher.deep_copy()
+                matcher.consume_tokens(step.drafts[len(matchers) - ahead][:ahead])
+            matchers.append(matcher)
+        return matchers
 
     def wait(self, launched: BuiltStep, synchronize: bool = True) -> tuple[list[int], dict[int, TokenLogprob]]:
         """Wait for a launched step to end; its sampled tokens, and their log-probabilities by row for the
