@@ -67,5 +67,12 @@ def builtin_models() -> dict[str, tuple[str, Callable[[], str]]]:
     return {name: (source, fetch or _fetcher(source)) for name, (source, fetch) in BUILTIN_MODELS.items()}
 
 
+def model_source(name: str) -> str:
+    """The folder or Hugging Face repo of a model this plugin serves (its id; fetched if need be), else ``name``
+    itself (a folder or a repo)."""
+    found = {**builtin_models(), **registered_models()}.get(name)
+    return found[1]() if found else name
+
+
 def _fetcher(source: str) -> Callable[[], str]:
     return lambda: source

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional
 
-from .catalog import kv_disk_dir, plugin_dir
+from .catalog import kv_disk_dir, model_source, plugin_dir
 from .engine.loop import EngineLoop
 from .errors import one_line
 from .parallel import ranks
@@ -95,6 +95,9 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
                 mirror.announce_build(options, group, doorbell)
             engine_kwargs = dict(options)
             disk_budget = engine_kwargs.pop("kv_disk_budget")
+            if "draft_model" in engine_kwargs:  # its id, folder or repo
+                draft_folder = resolve_model_path(model_source(options["draft_model"]))
+                engine_kwargs["draft_model"], _ = load_model(str(draft_folder))
             quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
             disk = None
             if disk_budget and options["enable_prefix_caching"] and group is None:

@@ -78,8 +78,12 @@ class PagedOptions(BaseModel):
         None, description="Speculative decoding: ngram drafts the answer's next tokens from the prompt and the answer "
         "so far (prompt lookup) and checks them in one step: the same answer, faster where it repeats its input"
     )
+    draft_model: Optional[str] = Field(
+        None, min_length=1, description="Speculative decoding with this draft model of the same vocabulary (one of "
+        "this plugin's model ids, an mlx-lm folder or a Hugging Face repo): it drafts tokens that each step checks"
+    )
     num_speculative_tokens: Optional[int] = Field(
-        None, ge=1, description="With speculative: the most tokens drafted a step (default 4, at most 16)"
+        None, ge=1, description="With speculative or draft_model: the most tokens drafted a step (default 4, up to 16)"
     )
     tensor_parallel: Optional[int] = Field(
         None, ge=1, description="Shard the model over this many processes on this machine, one per GPU (NVIDIA: nccl; "
@@ -88,8 +92,10 @@ class PagedOptions(BaseModel):
 
     @model_validator(mode="after")
     def _speculative_given(self):
-        if self.num_speculative_tokens is not None and self.speculative is None:
-            raise ValueError("num_speculative_tokens needs speculative (e.g. -o speculative ngram)")
+        if self.num_speculative_tokens is not None and self.speculative is None and self.draft_model is None:
+            raise ValueError("num_speculative_tokens needs speculative or draft_model (e.g. -o speculative ngram)")
+        if self.speculative is not None and self.draft_model is not None:
+            raise ValueError("speculative ngram drafts without a model: give it or draft_model, not both")
         return self
 
     @field_validator("kv_budget", mode="before")
@@ -149,7 +155,7 @@ def engine_options(options: PagedOptions) -> dict:
         **{  # the Engine's own defaults where they are not given
             name: getattr(options, name)
             for name in ("memory_fraction", "max_num_seqs", "max_num_batched_tokens", "speculative",
-                         "num_speculative_tokens")
+                         "num_speculative_tokens", "draft_model")
             if getattr(options, name) is not None
         },
     }

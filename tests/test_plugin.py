@@ -170,6 +170,16 @@ def test_speculative_decoding_answers_as_without_and_logs_its_drafts(user_dir):
     assert_clean_error(error, "num_speculative_tokens must be an integer from 1 to 16")
 
 
+def test_a_draft_model_by_its_id_answers_as_without(user_dir):
+    """``-o draft_model``: the model itself drafts, so every drafted token is kept."""
+    answer = ok("-m", "paged-smollm2", "-o", "draft_model", "paged-smollm2", "-o", "max_tokens", 24, FRANCE)
+    assert answer == mlx_lm_answer(smollm2_dir(), FRANCE, 24) + "\n"
+    metrics = last_log()["response_json"]
+    assert metrics["draft_tokens"] == metrics["accepted_draft_tokens"] > 0
+    error = run_llm("-m", "paged-smollm2", "-o", "draft_model", "/no/such/folder", "hi")
+    assert_clean_error(error, "/no/such/folder is neither an existing folder nor a Hugging Face repo id")
+
+
 def test_chat_and_continue_carry_the_history_once(user_dir, seen_prompts):
     chat = ok("chat", "-m", "paged-smollm2", "-o", "max_tokens", 16, input=f"{FRANCE}\nAnd of Germany?\nquit\n")
     assert "Paris" in chat and "Berlin" in chat
@@ -225,7 +235,7 @@ def test_continue_in_a_new_process_reads_the_kv_from_disk(user_dir, seen_prompts
     ("attention_kernel", "nosuch", ["unknown attention kernel 'nosuch'", "portable"]),
     ("prefix_cache", "maybe", ["prefix_cache"]),
     ("speculative", "medusa", ["speculative", "'ngram'"]),
-    ("num_speculative_tokens", "3", ["num_speculative_tokens needs speculative"]),
+    ("num_speculative_tokens", "3", ["num_speculative_tokens needs speculative or draft_model"]),
     ("nosuch", "1", ["nosuch"]),
 ])
 def test_bad_options_are_clean_errors(user_dir, option, value, words):

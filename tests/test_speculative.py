@@ -246,3 +246,81 @@ def test_requests_that_find_no_draft_run_ahead(monkeypatch):
     engine.generate([[1, 2, 3, 4, 5] * 4], SamplingParams(max_tokens=40))
     # MAX_MISSES chances without a draft pause drafting for PAUSE_TOKENS tokens: those steps run ahead.
     assert len(ran_ahead) >= 40 - 3 * speculative.MAX_MISSES - 1
+
+
+# -- a draft model -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("draft_seed, all_accepted", [(0, True), (5, False)])  # the model itself; another
+def test_a_draft_model_gives_mlx_lm_tokens_under_preemption_and_prefix_caching(decode_launch, draft_seed,
+                                                                                all_accepted):
+    model = tiny_model("llama")
+    prompts = repeating_prompts(6) + random_prompts([17, 40])
+    prompts.append(prompts[0] + [3, 4])  # shares a cached prefix with the first
+    engine = Engine(model, block_size=8, num_blocks=40, max_num_batched_tokens=64, swap_policy="cpu",
+                    draft_model=tiny_model("llama", seed=draft_seed), speculative_max_batch=16)  # fmt: skip
+    got = run_staggered(engine, prompts, SamplingParams(max_tokens=30))
+    for prompt, tokens in zip(prompts, got):
+        assert tokens == reference(model, prompt, 30), f"prompt of {len(prompt)} tokens"
+    stats = engine.stats()
+    assert stats["speculative"] == "draft" and stats["preemptions"] > 0 and stats["prefix_cache_hit_tokens"] > 0
+    assert stats["accepted_draft_tokens"] > 0
+    assert (stats["accepted_draft_tokens"] == stats["draft_tokens"]) == all_accepted
+    assert stats["free_blocks"] == stats["num_blocks"]
+
+
+def test_a_draft_model_keeps_seeded_samples():
+    model = tiny_model("qwen3", vocab_size=12)
+    prompts = repeating_prompts(4, seed=7, vocab=12)
+    params = [SamplingParams(max_tokens=24, temperature=0.7, seed=i) for i in range(4)]
+    want = Engine(model, num_blocks=128).generate(prompts, params)
+    spec = Engine(model, num_blocks=128, draft_model=tiny_model("qwen3", vocab_size=12))  # drafts its greedy tokens
+    assert [g.token_ids for g in spec.generate(prompts, params)] == [w.token_ids for w in want]
+    assert spec.stats()["accepted_draft_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "target, draft, message",
+    [
+        (dict(arch="llama"), dict(arch="llama", vocab_size=128), "its vocabulary \\(128 tokens\\) is not the model's"),
+        (dict(arch="gemma3_text"), dict(arch="llama"), "sliding-window or latent attention"),
+        (dict(arch="llama"), dict(arch="qwen3_5"), "a draft model needs full attention in every layer"),
+    ],
+)
+def test_draft_models_that_cannot_draft_are_refused(target, draft, message):
+    def build(arch, **overrides):
+        return tiny_model(arch, **overrides) if arch == "llama" else tiny_any(arch, **overrides)
+
+    with pytest.raises(ValueError, match=message):
+        Engine(build(**target), num_blocks=64, draft_model=build(**draft))
+
+
+def test_draft_model_options_go_together():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="a draft model goes with speculative='draft'"):
+        Engine(model, num_blocks=64, speculative="ngram", draft_model=tiny_model("llama"))
+    with pytest.raises(ValueError, match="a draft model goes with speculative='draft'"):
+        Engine(model, num_blocks=64, speculative="draft")
+
+
+def test_a_draft_model_drafts_beside_a_prompt_that_runs_first_and_without_compiled_steps():
+    """A drafting request after a higher-priority request's prompt chunk in one step (the draft model's call
+    takes single tokens first), and steps run eagerly: the model drafting for itself, every draft is kept."""
+    model = tiny_model("llama")
+    engine = Engine(model, draft_model=tiny_model("llama"), block_size=8, num_blocks=64, max_num_batched_tokens=16,
+                    scheduler="priority")  # fmt: skip
+    prompts = [list(range(1, 11)), list(range(30, 50))]
+    ids, outputs = [engine.add_request(prompts[0], SamplingParams(max_tokens=20))], {}
+    for step in range(60):
+        if step == 3:  # the first decodes, and drafts
+            ids.append(engine.add_request(prompts[1], SamplingParams(max_tokens=20, priority=-1)))
+        for chunk in engine.step():
+            outputs.setdefault(chunk.request_id, []).extend(chunk.token_ids)
+    assert [outputs[i] for i in ids] == [reference(model, p, 20) for p in prompts]
+    eager = Engine(model, draft_model=tiny_model("llama"), num_blocks=64, compile_steps=False)
+    prompts = repeating_prompts(3)
+    assert [o.token_ids for o in eager.generate(prompts, SamplingParams(max_tokens=20))] == [
+        reference(model, p, 20) for p in prompts
+    ]
+    for stats in (engine.stats(), eager.stats()):
+        assert stats["accepted_draft_tokens"] == stats["draft_tokens"] > 0

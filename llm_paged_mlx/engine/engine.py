@@ -16,8 +16,9 @@ from ..models.quantized_rows import fold_quantized_rows
 from ..models.state_cache import StateLayout
 from ..parallel.collectives import check_same_options, shard_model
 from .block_manager import BlockManager
-from .checks import check_group, check_kernel, check_speculative
+from .checks import check_group, check_kernel, check_speculation
 from .disk.store import KVDiskCache, KVDiskCacheWarning
+from .drafter import Drafter
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, format_size
@@ -27,7 +28,7 @@ from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups
 from .scheduler import Scheduler
 from .sizing import size_pools
-from .speculative import DEFAULT_MAX_BATCH, Speculator
+from .speculative import DEFAULT_MAX_BATCH
 from .step import LaunchedStepFailed, StepPipeline
 from .swap import discard
 
@@ -86,9 +87,9 @@ class Engine:
     (``engine.kv_groups``): a windowed group returns the blocks its window has
     passed. The disk tier is off for them (it keeps one table per prompt).
 
-    ``speculative="ngram"`` drafts up to ``num_speculative_tokens`` tokens a
-    step for decoding requests by prompt lookup and verifies them in the same
-    step, when at most ``speculative_max_batch`` run (``engine.speculative``).
+    ``speculative="ngram"`` (prompt lookup) or ``draft_model`` (an mlx-lm model
+    of the same vocabulary) drafts up to ``num_speculative_tokens`` tokens a step
+    that the step verifies, for at most ``speculative_max_batch`` requests.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class Engine:
         speculative: Optional[str] = None,
         num_speculative_tokens: int = 4,
         speculative_max_batch: int = DEFAULT_MAX_BATCH,
+        draft_model=None,
     ):
         if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
@@ -151,11 +153,12 @@ class Engine:
         if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
             kv_disk_cache = None
         check_kernel(self.kernel, model, layouts)
-        check_speculative(speculative, num_speculative_tokens, speculative_max_batch, model, kv_bits, state_layouts)
-        speculator = speculative and Speculator(speculative, num_speculative_tokens, speculative_max_batch)
-        fold_quantized_rows(model)
-        if mx.default_device() == mx.gpu:
-            merge_projections(model)
+        speculator, draft_layouts = check_speculation(speculative, num_speculative_tokens, speculative_max_batch,
+                                                      draft_model, model, layouts, state_layouts, kv_bits, self.group)
+        for adapted in [model] + ([draft_model] if draft_layouts else []):
+            fold_quantized_rows(adapted)
+            if mx.default_device() == mx.gpu:
+                merge_projections(adapted)
         self.model = model
         self.tokenizer = tokenizer
         self.grammars = Grammars(tokenizer) if tokenizer is not None else None
@@ -163,7 +166,7 @@ class Engine:
             model, layouts, state_layouts, groups, block_size=block_size, num_blocks=num_blocks,
             kv_budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction, kv_bits=kv_bits,
             kv_group_size=kv_group_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            group=self.group,
+            group=self.group, draft_layouts=draft_layouts,
         )  # fmt: skip
         initial = self.pool.initial_blocks
         self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
@@ -171,6 +174,8 @@ class Engine:
             model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
             max_num_batched_tokens,
         )
+        drafter = draft_layouts and Drafter(ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel,
+                                                        compile_steps, chunk_tokens=max_num_batched_tokens))
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
@@ -191,7 +196,7 @@ class Engine:
         self._ids = itertools.count()
         self._interrupts = HeldInterrupts()
         self.steps = StepPipeline(self.blocks, self.scheduler, self.runner, swap, self.grammars, self.group,
-                                  self._interrupts, self._deliver, speculator)  # fmt: skip
+                                  self._interrupts, self._deliver, speculator, drafter or None)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":
@@ -200,6 +205,8 @@ class Engine:
         from ..models.loading import load_model
 
         model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
+        if isinstance(options.get("draft_model"), str):  # a folder or repo too
+            options["draft_model"], _ = load_model(options["draft_model"])
         return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
 
     @property
@@ -332,13 +339,9 @@ class Engine:
             raise failure.__cause__
 
     def _grow_pool(self) -> None:
-        """Grow the pools (at least doubling, up to the budget) if the next step might lack free blocks.
-
-        What a step might need: a step's worth of new tokens, each running
-        sequence's next block, and the whole prompts of waiting requests (their
-        prefixes may come from the disk tier at once). Nothing is in flight
-        here, so the pools' old arrays go as they are copied.
-        """
+        """Grow the pools (at least doubling, up to the budget) if the next step might lack free blocks: a
+        step's new tokens, each running sequence's next block, and the whole prompts of waiting requests (the
+        disk tier may give their prefixes at once). Nothing is in flight: old arrays go as they are copied."""
         blocks = self.blocks
         if blocks.num_blocks >= self.max_blocks:
             return
@@ -346,7 +349,8 @@ class Engine:
         waiting = sum(groups.blocks_for(r.num_tokens, size) for r in self.scheduler.waiting)
         size = self.pool.grown(blocks.num_blocks, self.pool.step_blocks + waiting - blocks.num_free_blocks)
         if size > blocks.num_blocks:
-            self.runner.grow(size)
+            for runner in self.steps.runners:
+                runner.grow(size)
             blocks.grow(size)
 
     def _deliver(self, request: Request, token: int, token_logprob: Optional[TokenLogprob]) -> None:
@@ -456,7 +460,7 @@ class Engine:
             "free_blocks": self.blocks.num_free_blocks,
             "used_blocks": used,
             "cached_blocks": len(self.blocks.cached),
-            "kv_cache_bytes": self.runner.kv_bytes,
+            "kv_cache_bytes": sum(runner.kv_bytes for runner in self.steps.runners),  # a draft model's too
             "recurrent_state_bytes": self.pool.state_bytes,  # the budget's share for max_num_seqs sequences
             "recurrent_states": self.runner.states.num_sequences,
             "prefix_caching": self.blocks.enable_prefix_caching,

@@ -236,9 +236,10 @@ class ModelRunner:
         a chunk's ``num_sampled`` positions).
 
         ``chunks`` must list single-token chunks first. ``input_tokens``, if
-        given, is the step's tokens as an array (one per row: single-token
-        chunks only), for tokens not yet read back from the device. The K/V
-        writes stay lazy until ``launch`` starts them with the sampled tokens.
+        given, is the step's tokens as an array (each chunk's, in chunk order;
+        not for chunks that run as sequences), for tokens not yet read back
+        from the device. The K/V writes stay lazy until ``launch`` starts them
+        with the sampled tokens.
         """
         sample_rows, row = [], 0
         for chunk in chunks:
@@ -253,6 +254,19 @@ class ModelRunner:
             hidden = hidden[:count, 0]
         else:
             hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
+        return self._project(hidden)
+
+    def row_logits(self, chunks: list[ScheduledChunk], input_tokens: mx.array) -> mx.array:
+        """Logits ``(len(chunks), vocab)`` of single-token ``chunks`` whatever their position (a draft model's
+        passes), their tokens ``input_tokens``."""
+        if self.compile_steps:
+            hidden = self._forward_rows(chunks, input_tokens)
+        else:
+            hidden = self._forward_eager(chunks, input_tokens)
+        return self._project(hidden[: len(chunks), 0])
+
+    def _project(self, hidden: mx.array) -> mx.array:
+        """Logits of the model's hidden rows (split architectures; the others' body gives logits)."""
         if not self.split:
             return hidden
         if self.model.args.tie_word_embeddings:
@@ -288,7 +302,7 @@ class ModelRunner:
         attends_own_rows = self.kv_bits is not None and PagedLayerCache.prompts_attend_unquantized
         if self._as_sequence(chunk) or attends_own_rows:
             return False
-        end = chunk.request.num_computed + chunk.num_tokens
+        end = chunk.start + chunk.num_tokens
         return self._prefill_as_rows is not None and self._prefill_as_rows(chunk.num_tokens, end)
 
     def _as_sequence(self, chunk: ScheduledChunk) -> bool:
@@ -339,8 +353,7 @@ class ModelRunner:
         block_tables = np.zeros((groups, rows, width), dtype=np.int32)
         row = 0
         for chunk in chunks:
-            request, n = chunk.request, chunk.num_tokens
-            start = request.num_computed
+            request, n, start = chunk.request, chunk.num_tokens, chunk.start
             if input_tokens is None:
                 tokens[row : row + n] = chunk.token_ids()
             positions[row : row + n] = np.arange(start, start + n)
@@ -376,7 +389,7 @@ class ModelRunner:
             warnings.warn(f"steps of this model cannot be compiled ({e}); running them eagerly", RuntimeWarning, stacklevel=2)
             return hidden
         self._set_pools(new_pools)
-        if in_place:
+        if in_place and self._pools_before is None:  # before the step's first call (a draft model makes several)
             self._pools_before = pools
         self.states.keep_flat([c.request.request_id for c in chunks], new_states)
         return hidden
@@ -443,8 +456,7 @@ class ModelRunner:
         positions, rows, starts = [], [], []
         slots, prefills = [[] for _ in groups], [[] for _ in groups]
         for b, chunk in enumerate(group):
-            request, n = chunk.request, chunk.num_tokens
-            start = request.num_computed
+            n, start = chunk.num_tokens, chunk.start
             tokens[b, :n] = chunk.token_ids()
             for g in groups:
                 prefills[g].append(self._prefill_chunk(chunk, len(positions), g))
@@ -466,7 +478,7 @@ class ModelRunner:
 
     def _prefill_chunk(self, chunk: ScheduledChunk, row: int, group: int) -> PrefillChunk:
         """The plan's entry, for one group of layers, for a chunk of several tokens starting at ``row``."""
-        start, n = chunk.request.num_computed, chunk.num_tokens
+        start, n = chunk.start, chunk.num_tokens
         used = -(-(start + n) // self.block_size)  # blocks its last token's context spans
         table = chunk.request.tables[group].table[:used]
         return PrefillChunk(row, n, start + n, mx.array(table, dtype=mx.int32))
@@ -490,9 +502,8 @@ class ModelRunner:
         decode_tables = np.zeros((len(groups), len(decode), width), dtype=np.int32)
         decode_lens = np.zeros(len(decode), dtype=np.int32)
         for chunk in chunks:
-            request, n = chunk.request, chunk.num_tokens
-            start = request.num_computed
-            row = len(tokens)
+            request, n, start = chunk.request, chunk.num_tokens, chunk.start
+            row = len(positions)  # a draft model's pass takes its token from input_tokens
             tokens.extend(chunk.token_ids())
             positions.extend(range(start, start + n))
             if n == 1 and row >= len(decode):

@@ -80,18 +80,25 @@ class ScheduledChunk:
     """The next ``num_tokens`` uncomputed tokens of a request, and the slots they go to in each of its tables.
 
     A decoding request's chunk may end in a ``draft`` (``engine.speculative``): tokens guessed to follow its
-    last one, counted in ``num_tokens``, whose positions are all sampled to verify them.
+    last one, counted in ``num_tokens``, whose positions are all sampled to verify them. A draft model's
+    passes run chunks ``offset`` positions past the request's computed tokens.
     """
 
     request: Request
     num_tokens: int
     slots: list[list[int]]
     draft: list[int] = field(default_factory=list)
+    offset: int = 0
+
+    @property
+    def start(self) -> int:
+        """The position of the chunk's first token."""
+        return self.request.num_computed + self.offset
 
     @property
     def completes(self) -> bool:
         """Whether the chunk reaches the request's last token, so its logits are sampled."""
-        return self.request.num_computed + self.num_tokens - len(self.draft) == self.request.num_tokens
+        return self.start + self.num_tokens - len(self.draft) == self.request.num_tokens
 
     @property
     def num_sampled(self) -> int:
@@ -100,8 +107,7 @@ class ScheduledChunk:
 
     def token_ids(self) -> list[int]:
         """The tokens the chunk computes: the request's next ones, then its draft."""
-        start = self.request.num_computed
-        return self.request.token_slice(start, start + self.num_tokens - len(self.draft)) + self.draft
+        return self.request.token_slice(self.start, self.start + self.num_tokens - len(self.draft)) + self.draft
 
 
 @dataclass

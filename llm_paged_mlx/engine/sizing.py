@@ -58,14 +58,17 @@ def size_pools(
     max_num_seqs: Optional[int],
     max_num_batched_tokens: int,
     group=None,
+    draft_layouts=(),
 ) -> PoolSize:
     """The pools of ``num_blocks`` blocks, or of as many as ``kv_budget_bytes`` (``kv_budget``'s) holds beside
     the recurrent state of ``max_num_seqs`` sequences (64 unless given, or for models with ``state_layouts``
     as many as half the budget holds the state of). ``layouts``: the attention layers' ``LayerLayout``s,
-    ``groups``: their ``KVGroups``. ValueError if the budget holds fewer than 2 blocks."""
+    ``groups``: their ``KVGroups``; ``draft_layouts``: a draft model's, whose K/V each block also holds
+    (``engine.drafter``). ValueError if the budget holds fewer than 2 blocks."""
     # A block holds its tokens for the layers of one group: one layer in each of the groups' places.
     owners = {place: layout for place, layout in reversed(list(zip(groups.layer_places, layouts)))}
     block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in owners.values())
+    block_bytes += block_size * sum(layout.bytes_per_token(None, kv_group_size) for layout in draft_layouts)
     per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
     if num_blocks is None:
         step_tokens = max_num_batched_tokens * (2 if state_layouts else 1)  # hybrids' prompts run right-padded

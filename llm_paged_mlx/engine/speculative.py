@@ -1,20 +1,21 @@
-"""Speculative decoding by prompt lookup: guess a request's next tokens, verify them in one step, keep what holds.
+"""Speculative decoding: guess a request's next tokens, verify them in one step, keep what holds.
 
-``Speculator.propose`` gives a decoding request a draft: the tokens that followed
-an earlier occurrence of its last n-gram (n from ``MAX_NGRAM`` down to
-``MIN_NGRAM``) in the last ``LOOKUP_TOKENS`` of its prompt and output (prompt
-lookup, as in vLLM and Hugging Face). No second model. The scheduler runs the
-request's pending token and its draft as one chunk with what budget and blocks
-are left, and the step samples a token at every one of those positions, each
-exactly as a step without the draft would sample it (same filters, same seeded
-key; a request with a JSON schema drafts what its grammar takes, and each
-position is masked by the grammar as it stands after the tokens before it).
-``accepted`` keeps the draft while the sampled token equals the drafted one, and
-then the first sampled token that differs (or the one after a whole accepted
-draft).
+``Speculator.propose`` gives decoding requests their drafts. ``"ngram"`` (prompt
+lookup, as in vLLM and Hugging Face): the tokens that followed an earlier
+occurrence of the request's last n-gram (n from ``MAX_NGRAM`` down to
+``MIN_NGRAM``) in the last ``LOOKUP_TOKENS`` of its prompt and output; a request
+with a JSON schema drafts what its grammar takes, and each drafted position is
+masked by the grammar as it stands after the tokens before it. ``"draft"``: only
+a length, which a draft model fills within the step (``engine.drafter``; not for
+requests with a schema). The scheduler runs the request's pending token and its
+draft as one chunk with what budget and blocks are left, and the step samples a
+token at every one of those positions, each exactly as a step without the draft
+would sample it (same filters, same seeded key). ``accepted`` keeps the draft
+while the sampled token equals the drafted one, and then the first sampled token
+that differs (or the one after a whole accepted draft).
 
 That is exact for any temperature: a draft is one token per position (a point
-mass), so rejection sampling accepts it with the target's probability of it, and
+mass; the draft model's is greedy), so rejection sampling accepts it with the target's probability of it, and
 on rejection samples from the target's distribution without it, which is what
 drawing from the target and comparing does. Greedy and seeded requests get the
 same tokens as without speculation (up to how a device rounds a product of more
@@ -37,7 +38,7 @@ MAX_SPECULATIVE_TOKENS = 16
 MAX_MISSES = 4
 PAUSE_TOKENS = 16
 DEFAULT_MAX_BATCH = 4
-MODES = ("ngram",)
+MODES = ("ngram", "draft")  # prompt lookup; a draft model (``engine.drafter``)
 
 
 def lookup(tokens: np.ndarray, k: int) -> list[int]:
@@ -135,11 +136,17 @@ class Speculator:
         for request in running:
             if request.num_pending != 1 or self._paused(request):
                 continue  # a prompt chunk runs
+            if self.mode == "draft" and request.grammar is not None:
+                continue  # its grammar would mask drafted positions on the host; the draft model's stay on the device
             room = min(
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 request.max_total_tokens - request.num_tokens - 1,
             )
             k = min(self._pace(request).length, room)
+            if self.mode == "draft":  # its length only: the draft model makes it within the step
+                if k >= 1:
+                    drafts[request.request_id] = [0] * k
+                continue
             draft = lookup(self._tokens(request), k) if k >= 1 else []
             if draft and request.grammar is not None:  # as far as its grammar takes the tokens
                 draft = draft[: request.grammar.validate_tokens(draft)]

@@ -18,6 +18,7 @@ import mlx.core as mx
 from ..parallel.collectives import rank_zero_tokens
 from . import kv_groups, speculative
 from .disk.format import device, host
+from .drafter import Drafter, SharedBlocks
 from .output import TokenLogprob
 from .request import Request
 from .sampler import StepLogprobs, logprobs, sample
@@ -39,6 +40,14 @@ class BuiltStep:
     logprobs: Optional[StepLogprobs] = None
     ahead: list[int] = field(default_factory=list)
     drafts: dict[int, list[int]] = field(default_factory=dict)
+    draft_tokens: Optional[mx.array] = None  # a draft model's drafts, on the device until ``take_drafts``
+
+    def take_drafts(self) -> None:
+        """Read a draft model's drafts (as the step ran) into ``drafts``."""
+        values = iter(self.draft_tokens.tolist())
+        for first, draft in self.drafts.items():
+            self.drafts[first] = [next(values) for _ in draft]
+        self.draft_tokens = None
 
     @property
     def constrained(self) -> bool:
@@ -50,7 +59,8 @@ class BuiltStep:
         if not self.sampled:
             return []
         extra = self.logprobs and [self.logprobs.sampled, self.logprobs.top_ids, self.logprobs.top_values]
-        return [self.tokens, *(a for a in extra or [] if a is not None)]
+        drafts = [self.draft_tokens] if self.draft_tokens is not None else []
+        return [self.tokens, *drafts, *(a for a in extra or [] if a is not None)]
 
 
 class LaunchedStepFailed(Exception):
@@ -76,7 +86,8 @@ class StepPipeline:
     """
 
     def __init__(self, blocks, scheduler, runner, swap, grammars, group, interrupts, deliver: Callable,
-                 speculator: Optional[speculative.Speculator] = None):  # fmt: skip
+                 speculator: Optional[speculative.Speculator] = None, drafter: Optional[Drafter] = None):  # fmt: skip
+        """``speculator`` drafts, filled in by ``drafter`` (a draft model's) when given."""
         self.blocks = blocks
         self.scheduler = scheduler
         self.runner = runner
@@ -86,6 +97,9 @@ class StepPipeline:
         self.interrupts = interrupts
         self.deliver = deliver
         self.speculator = speculator
+        self.drafter = drafter
+        self.runners = [runner] + ([drafter.runner] if drafter else [])  # every pool the block ids index
+        self.swapped = SharedBlocks(runner, drafter.runner) if drafter else runner  # what a swap keeps of a block
         self.in_flight: Optional[BuiltStep] = None  # a step launched on the device, its tokens not yet read
         self.unread: Optional[BuiltStep] = None  # a step before in_flight, not read yet (see _launch_ahead)
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
@@ -101,7 +115,8 @@ class StepPipeline:
         self.in_flight = self.unread = None
         self.scheduler.start_over()
         self.blocks.forget_cached()
-        self.runner.reset_pools()
+        for runner in self.runners:
+            runner.reset_pools()
 
     def transaction(self, work: Callable[[SwapHandles], Optional[BuiltStep]]) -> Optional[BuiltStep]:
         """Run ``work`` so that an exception undoes all it did; on success, count its chunks as computed.
@@ -113,11 +128,13 @@ class StepPipeline:
         handles = SwapHandles()
         self._overwritten_cached = []
         self.scheduler.begin()
-        self.runner.begin()
+        for runner in self.runners:
+            runner.begin()
         try:
             built = work(handles)
         except BaseException:
-            self.runner.rollback()
+            for runner in self.runners:
+                runner.rollback()
             self.scheduler.rollback()
             self.blocks.uncache(self._overwritten_cached)
             for handle in handles.created:
@@ -126,7 +143,8 @@ class StepPipeline:
                 discard(self.swap, request.swap_handle)
                 request.swap_handle, request.saved_state, request.num_computed = None, None, 0
             raise
-        self.runner.commit()
+        for runner in self.runners:
+            runner.commit()
         self.scheduler.commit()
         if built is not None:
             for chunk in built.chunks:  # whatever runs later on the device sees these tokens' K/V
@@ -156,14 +174,15 @@ class StepPipeline:
         for request in plan.swapped_in:
             written += kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
         held, cached = self.blocks.held_before(written)
-        self.runner.protect(held)
+        for runner in self.runners:
+            runner.protect(held)
         self._overwritten_cached += cached
 
     def _prepare(self, plan: StepPlan, handles: SwapHandles) -> None:
         """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
         for request, old_tables in plan.preempted:
             kept = kv_groups.live_blocks(self.blocks, old_tables, request.num_computed)
-            handle = self.swap.swap_out(kept, self.runner)
+            handle = self.swap.swap_out(kept, self.swapped)
             if handle is None:
                 request.num_computed = 0
             else:
@@ -176,7 +195,7 @@ class StepPipeline:
         for request in plan.swapped_in:
             blocks = kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
             try:
-                self.swap.swap_in(request.swap_handle, blocks, self.runner)
+                self.swap.swap_in(request.swap_handle, blocks, self.swapped)
             except Exception:
                 handles.unreadable.append(request)
                 raise
@@ -192,10 +211,13 @@ class StepPipeline:
     def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> BuiltStep:
         """Build a forward pass and, unless it is constrained, its sampling (lazy arrays: ``launch`` starts
         them)."""
+        draft_tokens = None
+        if self.drafter is not None:
+            input_tokens, draft_tokens = self.drafter.run(chunks, input_tokens)
         logits = self.runner.forward(chunks, input_tokens)
         size = self.blocks.block_size
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
-        built = BuiltStep(chunks, [], filled, logits)
+        built = BuiltStep(chunks, [], filled, logits, draft_tokens=draft_tokens)
         for chunk in chunks:
             if chunk.draft and chunk.completes:
                 built.drafts[len(built.sampled)] = chunk.draft
@@ -222,6 +244,8 @@ class StepPipeline:
         """
         self.in_flight = step
         try:
+            if self.drafter is not None:  # its pools' writes, which no output of the step holds
+                self.drafter.runner.launch()
             if not step.constrained:
                 self.runner.launch(*step.outputs())
                 return
@@ -264,7 +288,10 @@ class StepPipeline:
                 if synchronize:
                     mx.synchronize()
                 tokens = launched.tokens.tolist() if launched.sampled else []
-                return tokens, self._read_logprobs(launched, tokens)
+                token_logprobs = self._read_logprobs(launched, tokens)
+                if launched.draft_tokens is not None:
+                    launched.take_drafts()
+                return tokens, token_logprobs
             except Exception as e:
                 raise LaunchedStepFailed() from e
 
@@ -403,4 +430,5 @@ class StepPipeline:
     def _copy_blocks(self) -> None:
         copies = self.blocks.take_copies()
         if copies:
-            self.runner.copy_blocks(copies)
+            for runner in self.runners:
+                runner.copy_blocks(copies)
