@@ -15,9 +15,10 @@ while the sampled token equals the drafted one, and then the first sampled token
 that differs (or the one after a whole accepted draft).
 
 That is exact for any temperature: a draft is one token per position (a point
-mass; the draft model's is greedy), so rejection sampling accepts it with the target's probability of it, and
-on rejection samples from the target's distribution without it, which is what
-drawing from the target and comparing does. Greedy and seeded requests get the
+mass; the draft model's is greedy), so rejection sampling accepts it with the
+target's probability of it, and on rejection samples from the target's
+distribution without it, which is what drawing from the target and comparing
+does. Greedy and seeded requests get the
 same tokens as without speculation (up to how a device rounds a product of more
 rows).
 
@@ -115,8 +116,8 @@ class _Pace:
 
 
 class Speculator:
-    """Drafts by prompt lookup for an engine's decoding requests, at most ``num_tokens`` a step each, and the
-    counts ``stats()`` reports."""
+    """Drafts for an engine's decoding requests (``mode``: by prompt lookup, or lengths a draft model fills),
+    at most ``num_tokens`` a step each, and the counts ``stats()`` reports."""
 
     def __init__(self, mode: str, num_tokens: int, max_batch: int = DEFAULT_MAX_BATCH):
         check_options(mode, num_tokens, max_batch)
@@ -126,7 +127,7 @@ class Speculator:
 
     def active(self, running: list) -> bool:
         """Whether the next step may draft for some of ``running`` (the scheduler's running requests)."""
-        return len(running) <= self.max_batch and not all(self._paused(r) for r in running)
+        return len(running) <= self.max_batch and any(self._may_draft(r) for r in running)
 
     def propose(self, running: list) -> dict[int, list[int]]:
         """Drafts for the running requests that decode next (by request id); none when too many run."""
@@ -134,10 +135,8 @@ class Speculator:
             return {}
         drafts = {}
         for request in running:
-            if request.num_pending != 1 or self._paused(request):
+            if request.num_pending != 1 or not self._may_draft(request):
                 continue  # a prompt chunk runs
-            if self.mode == "draft" and request.grammar is not None:
-                continue  # its grammar would mask drafted positions on the host; the draft model's stay on the device
             room = min(
                 request.params.max_tokens - len(request.output_token_ids) - 1,
                 request.max_total_tokens - request.num_tokens - 1,
@@ -197,8 +196,11 @@ class Speculator:
         pace.known = count
         return pace.tokens[:count]
 
-    def _paused(self, request) -> bool:
-        return self._pace(request).paused_until > len(request.output_token_ids)
+    def _may_draft(self, request) -> bool:
+        """Not paused, nor constrained with a draft model (its grammar would mask drafted positions on the
+        host, and the draft model's stay on the device)."""
+        paused = self._pace(request).paused_until > len(request.output_token_ids)
+        return not paused and not (self.mode == "draft" and request.grammar is not None)
 
     def _pace(self, request) -> _Pace:
         pace = self.paces.get(request.request_id)
