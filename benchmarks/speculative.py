@@ -10,7 +10,8 @@ and the engine with ``speculative="ngram"`` at each K (``speculative_max_batch``
 drafts: where drafting stops paying is what this measures), in alternation after a warm-up, medians of
 ``--rounds``. Prints generated tokens per second of the whole run (prefill included), the ratios against the
 engine without speculation, the drafts' acceptance rate and the tokens a drafting step gave a request; and
-checks that every answer is the one the engine gives without speculation.
+checks that every answer is the one the engine gives without speculation. ``--draft-models itself random``
+adds a draft model (K=4): SmolLM2 itself, or a random 2-layer model of its vocabulary.
 
 ``--model qwen3-0.6b|llama-8b`` (random weights: bf16, ``--bits 4`` 4-bit) times instead what verifying drafts
 costs and gains where their acceptance is set by construction (for a GPU): random prompts of 32-160 tokens,
@@ -66,6 +67,14 @@ def load(bits: str):
     from llm_paged_mlx.models.loading import load_model
 
     return load_model(str(smollm2_dir()), dequantize=bits == "none", dtype="float32")
+
+
+def random_draft(model):
+    """A 2-layer model of ``model``'s shape and vocabulary with random weights (float32)."""
+    mx.random.seed(0)
+    draft = llama.Model(llama.ModelArgs.from_dict({**vars(model.args), "num_hidden_layers": 2}))
+    mx.eval(draft.parameters())
+    return draft
 
 
 def prompts_for(tokenizer, count: int) -> list[list[int]]:
@@ -147,6 +156,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bits", nargs="+", default=["none"], choices=["none", "4"])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="num_speculative_tokens to time")
+    parser.add_argument("--draft-models", nargs="*", default=[], choices=["itself", "random"],
+                        help="also draft with a model: SmolLM2 itself (every draft right, at its own cost), or a "
+                             "2-layer random one of its vocabulary (its drafts wrong: what misses cost)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
@@ -167,6 +179,10 @@ def main():
         for k in args.k:
             engines[f"ngram K={k}"] = Engine(model, tokenizer, num_blocks=4096, speculative="ngram",
                                              num_speculative_tokens=k, speculative_max_batch=1024)  # fmt: skip
+        for name in args.draft_models:
+            draft = load(bits)[0] if name == "itself" else random_draft(model)
+            engines[f"draft model ({name}) K=4"] = Engine(model, tokenizer, num_blocks=4096, draft_model=draft,
+                                                          speculative_max_batch=1024)  # fmt: skip
         print(f"\nSmolLM2-135M {'float32' if bits == 'none' else '4-bit'}, at most {args.new_tokens} new tokens")
         print("| requests | system | tok/s | / engine | acceptance | tokens per draft step |")
         print("|---:|---|---:|---:|---:|---:|")

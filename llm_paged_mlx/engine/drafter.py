@@ -33,13 +33,14 @@ class Drafter:
         included, in chunk order) and the drafted tokens in chunk order (None: no chunk drafts)."""
         plain = [ScheduledChunk(c.request, 1, [s[:1] for s in c.slots]) if c.draft else c for c in chunks]
         order = sorted(range(len(chunks)), key=lambda i: plain[i].num_tokens != 1)  # single tokens first, as runs take
-        logits = self.runner.forward([plain[i] for i in order], input_tokens)  # input tokens: run-ahead's, all single
+        hidden = self.runner.forward([plain[i] for i in order], input_tokens, project=False)  # run-ahead's: single
         drafting = [i for i, c in enumerate(chunks) if c.draft]
-        if not drafting:
+        if not drafting:  # its K/V only: no row goes through its vocabulary
             return input_tokens, None
         completing = [i for i in order if plain[i].completes]
         rows = mx.array([completing.index(i) for i in drafting], dtype=mx.int32)
-        drafts = [[token] for token in mx.split(mx.argmax(logits[rows], axis=-1).astype(mx.int32), len(drafting))]
+        first = mx.argmax(self.runner.project(hidden[rows]), axis=-1).astype(mx.int32)
+        drafts = [[token] for token in mx.split(first, len(drafting))]
         for position in range(1, max(len(chunks[i].draft) for i in drafting) + 1):
             going = [n for n, i in enumerate(drafting) if len(chunks[i].draft) >= position]
             passes = [ScheduledChunk(chunks[drafting[n]].request, 1, [[s[position]] for s in chunks[drafting[n]].slots],

@@ -231,9 +231,10 @@ class ModelRunner:
             for array in cache.arrays:
                 array[rows] = next(parts)
 
-    def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> mx.array:
+    def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None,
+                project: bool = True) -> mx.array:  # fmt: skip
         """Logits ``(S, vocab)`` for the chunks that complete their request, in chunk order (a row for each of
-        a chunk's ``num_sampled`` positions).
+        a chunk's ``num_sampled`` positions); without ``project``, what ``project`` turns into them.
 
         ``chunks`` must list single-token chunks first. ``input_tokens``, if
         given, is the step's tokens as an array (each chunk's, in chunk order;
@@ -254,7 +255,7 @@ class ModelRunner:
             hidden = hidden[:count, 0]
         else:
             hidden = hidden[mx.array(sample_rows, dtype=mx.int32), 0]
-        return self._project(hidden)
+        return self.project(hidden) if project else hidden
 
     def row_logits(self, chunks: list[ScheduledChunk], input_tokens: mx.array) -> mx.array:
         """Logits ``(len(chunks), vocab)`` of single-token ``chunks`` whatever their position (a draft model's
@@ -263,9 +264,9 @@ class ModelRunner:
             hidden = self._forward_rows(chunks, input_tokens)
         else:
             hidden = self._forward_eager(chunks, input_tokens)
-        return self._project(hidden[: len(chunks), 0])
+        return self.project(hidden[: len(chunks), 0])
 
-    def _project(self, hidden: mx.array) -> mx.array:
+    def project(self, hidden: mx.array) -> mx.array:
         """Logits of the model's hidden rows (split architectures; the others' body gives logits)."""
         if not self.split:
             return hidden

@@ -24,8 +24,9 @@ rows).
 
 Adaptive: each request's draft length follows its acceptance, and ``MAX_MISSES``
 chances in a row that gave nothing (no draft found, no room for it, or nothing
-of it accepted) stop its drafts for its next ``PAUSE_TOKENS`` tokens, when
-run-ahead takes over again; no step drafts when more than ``max_batch``
+of it accepted) stop its drafts for its next ``PAUSE_TOKENS`` tokens, twice as
+many after each pause that nothing was accepted since (up to ``MAX_PAUSE_TOKENS``),
+when run-ahead takes over again; no step drafts when more than ``max_batch``
 requests run, where the rows a draft adds cost more than the tokens it saves.
 """
 
@@ -38,6 +39,7 @@ LOOKUP_TOKENS = 8192
 MAX_SPECULATIVE_TOKENS = 16
 MAX_MISSES = 4
 PAUSE_TOKENS = 16
+MAX_PAUSE_TOKENS = 512
 DEFAULT_MAX_BATCH = 4
 MODES = ("ngram", "draft")  # prompt lookup; a draft model (``engine.drafter``)
 
@@ -111,6 +113,7 @@ class _Pace:
     length: int
     misses: int = 0  # chances in a row that gave nothing
     paused_until: int = 0  # drafts again once it has generated this many tokens
+    pause: int = PAUSE_TOKENS  # the next pause's tokens
     tokens: np.ndarray = field(default_factory=lambda: np.zeros(256, dtype=np.int64))
     known: int = 0  # of its tokens, those in ``tokens``
 
@@ -160,10 +163,9 @@ class Speculator:
         pace = self._pace(request)
         self.counts.add(drafted, accepted)
         request.drafted.add(drafted, accepted)
-        if accepted == drafted:
-            pace.length, pace.misses = min(self.num_tokens, pace.length + 1), 0
-        elif accepted:
-            pace.length, pace.misses = accepted + 1, 0
+        if accepted:
+            pace.length = min(self.num_tokens, pace.length + 1) if accepted == drafted else accepted + 1
+            pace.misses, pace.pause = 0, PAUSE_TOKENS
         else:
             pace.length = 1
             self.missed(request)
@@ -173,7 +175,8 @@ class Speculator:
         pace = self._pace(request)
         pace.misses += 1
         if pace.misses >= MAX_MISSES:
-            pace.misses, pace.paused_until = 0, len(request.output_token_ids) + PAUSE_TOKENS
+            pace.misses, pace.paused_until = 0, len(request.output_token_ids) + pace.pause
+            pace.pause = min(MAX_PAUSE_TOKENS, 2 * pace.pause)
 
     def unscheduled(self, drafts: dict[int, list[int]], chunks: list) -> None:
         """Count a miss for each request whose draft the step (its ``chunks``) had no room for."""
