@@ -10,18 +10,25 @@ and the engine with ``speculative="ngram"`` at each K (``speculative_max_batch``
 drafts: where drafting stops paying is what this measures), in alternation after a warm-up, medians of
 ``--rounds``. Prints generated tokens per second of the whole run (prefill included), the ratios against the
 engine without speculation, the drafts' acceptance rate and the tokens a drafting step gave a request; and
-checks that every answer is the one the engine gives without speculation. ``--draft-models itself random``
-adds a draft model (K=4): SmolLM2 itself, or a random 2-layer model of its vocabulary.
+checks that every answer is the one the engine gives without speculation. ``--draft-models itself random
+layers:N`` adds a draft model (K=4): SmolLM2 itself, a random 2-layer model of its vocabulary, or SmolLM2's own
+first N layers with its embedding and output head.
 
-``--model qwen3-0.6b|llama-8b`` (random weights: bf16, ``--bits 4`` 4-bit) times instead what verifying drafts
+``--model qwen3-0.6b|llama-8b`` (random weights: bf16, ``--bits-random 4`` 4-bit) times instead what verifying drafts
 costs and gains where their acceptance is set by construction (for a GPU): random prompts of 32-160 tokens,
 ``--new-tokens`` tokens each (EOS ignored), and drafts that are the answer the engine gave without speculation
 (all accepted), each drafted token replaced by a wrong one with probability ``1 - --acceptance``. It counts the
 answers that differ from those first ones: in half precision a product over a step's rows may round otherwise
 when the rows are more, so a near-tie can go the other way (as between batches of other sizes).
+With ``--draft-models itself layers:N`` it times draft models there instead, at each K: the model itself (every
+draft right, at the cost of K passes of the whole model) and its first N layers with its embedding and output
+head (a small draft sharing the target's weights: on random weights its drafts miss). ``--quiet-after N`` sets
+its acceptance by construction: the output projections of the target's layers N on are scaled by
+``--quiet-scale`` (0: the target's tokens are its first N layers', every draft right), at no change of cost.
 """
 
 import argparse
+import itertools
 import random
 import statistics
 import sys
@@ -29,10 +36,12 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
 from engine_throughput import QWEN3_0_6B, build_model  # this folder
 from engine_throughput import prompts_for as random_prompts
 from long_context import LLAMA_8B
 from mlx_lm.generate import generate_step
+from mlx.utils import tree_flatten
 from mlx_lm.models import llama, qwen3
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -69,10 +78,16 @@ def load(bits: str):
     return load_model(str(smollm2_dir()), dequantize=bits == "none", dtype="float32")
 
 
+def with_layers(config: dict, layers: int) -> dict:
+    """A model's ``config`` (its args) for its first ``layers`` layers."""
+    types = config.get("layer_types")  # mlx-lm's llama builds a layer per entry
+    return {**config, "num_hidden_layers": layers, **({"layer_types": types[:layers]} if types else {})}
+
+
 def random_draft(model):
     """A 2-layer model of ``model``'s shape and vocabulary with random weights (float32)."""
     mx.random.seed(0)
-    draft = llama.Model(llama.ModelArgs.from_dict({**vars(model.args), "num_hidden_layers": 2}))
+    draft = llama.Model(llama.ModelArgs.from_dict(with_layers(vars(model.args), 2)))
     mx.eval(draft.parameters())
     return draft
 
@@ -100,10 +115,78 @@ def oracle(prompts, answers, acceptance: float, vocab: int):
     return lookup
 
 
+def first_layers(model, module, config, layers: int, bits):
+    """The first ``layers`` layers of ``model`` with its embedding, final norm and output head: a model of its
+    own that holds the same arrays (no copy)."""
+    draft = module.Model(module.ModelArgs(**with_layers(config, layers)))
+    if bits:
+        nn.quantize(draft, group_size=64, bits=bits)
+    kept = lambda name: not name.startswith("model.layers.") or int(name.split(".")[2]) < layers  # noqa: E731
+    draft.load_weights([(name, value) for name, value in tree_flatten(model.parameters()) if kept(name)])
+    return draft
+
+
+def quiet_layers(model, first: int, scale: float):
+    """Scale what layers ``first`` on add to the residual stream (their output projections) by ``scale``: the
+    model costs the same, and at 0 its tokens are those of its first ``first`` layers."""
+    for layer in model.layers[first:]:
+        for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            for name in ("weight", "scales", "biases"):  # a quantized layer's codes stay
+                if name in projection and projection[name].dtype != mx.uint32:
+                    projection[name] = projection[name] * scale
+    mx.eval(model.parameters())
+
+
+def draft_models(args, module, config, model):
+    """Time draft models on a random-weight model (``--model ... --draft-models``)."""
+    if args.quiet_after is not None:
+        quiet_layers(model, args.quiet_after, args.quiet_scale)
+    kv = 8 << 30
+    params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+    plain = Engine(model, kv_budget_bytes=kv, max_num_seqs=256, enable_prefix_caching=False)
+    drafts = {name: model if name == "itself" else first_layers(model, module, config, int(name[7:]), args.bits_random)
+              for name in args.draft_models}  # fmt: skip
+    weights = f"{args.bits_random}-bit" if args.bits_random else "bf16"
+    quiet = f", layers {args.quiet_after}+ scaled by {args.quiet_scale}" if args.quiet_after is not None else ""
+    print(f"\n{args.model} {weights}{quiet}, {args.new_tokens} new tokens, draft models, speculative_max_batch "
+          f"{args.max_batch}; tok/s and the ratio to the engine without drafts")
+    print("| requests | draft model | K | engine | with the draft | acceptance | tokens per draft step | "
+          "answers that differ |")
+    print("|---:|---|---:|---:|---:|---:|---:|---:|")
+    for concurrency in args.concurrency:
+        prompts = random_prompts(concurrency, config["vocab_size"], seed=concurrency)
+        answers = [o.token_ids for o in plain.generate(prompts, params)]
+        for (name, draft), k in itertools.product(drafts.items(), args.k):
+            engine = Engine(model, kv_budget_bytes=kv, max_num_seqs=256, enable_prefix_caching=False,
+                            draft_model=draft, num_speculative_tokens=k, speculative_max_batch=args.max_batch)
+            rates = {"engine": [], "draft": []}
+            differ = 0
+            for round_ in range(args.rounds + 1):  # the first is a warm-up
+                for system, runs in [("engine", plain), ("draft", engine)]:
+                    before = runs.stats()
+                    start = time.perf_counter()
+                    outputs = runs.generate(prompts, params)
+                    if round_:
+                        rates[system].append(sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - start))
+                    differ += sum(o.token_ids != a for o, a in zip(outputs, answers))
+            after = engine.stats()
+            base, rate = statistics.median(rates["engine"]), statistics.median(rates["draft"])
+            drafted, accepted = after.get("draft_tokens", 0), after.get("accepted_draft_tokens", 0)
+            steps = after.get("drafts", 0)
+            row = [str(concurrency), name, str(k), f"{base:.0f}", f"{rate:.0f} ({rate / base:.2f}x)",
+                   f"{accepted / drafted:.2f}" if drafted else "", f"{(accepted + steps) / steps:.2f}" if steps else "",
+                   f"{differ}/{2 * (args.rounds + 1) * len(prompts)}"]  # fmt: skip
+            print("| " + " | ".join(row) + " |")
+            del engine
+
+
 def set_acceptance(args):
     """Time drafts of known acceptance on a random-weight model (``--model``)."""
     module, config = MODELS[args.model]
     model = build_model(module, config, mx.bfloat16, args.bits_random)
+    if args.draft_models:
+        draft_models(args, module, config, model)
+        return
     kv = 8 << 30
     params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
     plain = Engine(model, kv_budget_bytes=kv, max_num_seqs=256, enable_prefix_caching=False)
@@ -152,13 +235,20 @@ def mlx_lm_run(model, prompts, new_tokens: int, eos: set) -> int:
     return count
 
 
+def draft_model_name(name: str) -> str:
+    if name in ("itself", "random") or (name.startswith("layers:") and name[7:].isdigit() and int(name[7:]) > 0):
+        return name
+    raise argparse.ArgumentTypeError(f"{name!r}: itself, random or layers:N")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bits", nargs="+", default=["none"], choices=["none", "4"])
     parser.add_argument("--k", type=int, nargs="+", default=[2, 4, 6], help="num_speculative_tokens to time")
-    parser.add_argument("--draft-models", nargs="*", default=[], choices=["itself", "random"],
+    parser.add_argument("--draft-models", nargs="*", default=[], type=draft_model_name,
                         help="also draft with a model: SmolLM2 itself (every draft right, at its own cost), or a "
-                             "2-layer random one of its vocabulary (its drafts wrong: what misses cost)")
+                             "2-layer random one of its vocabulary (its drafts wrong: what misses cost); with "
+                             "--model: itself, or layers:N (its first N layers)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--new-tokens", type=int, default=160)
     parser.add_argument("--rounds", type=int, default=3)
@@ -166,6 +256,10 @@ def main():
     parser.add_argument("--bits-random", type=int, choices=[4], help="with --model: 4-bit weights (group 64)")
     parser.add_argument("--acceptance", type=float, nargs="+", default=[1.0, 0.7])
     parser.add_argument("--max-batch", type=int, default=1024, help="with --model: speculative_max_batch")
+    parser.add_argument("--quiet-after", type=int, metavar="N",
+                        help="with --model and --draft-models: scale the output projections of layers N on by "
+                             "--quiet-scale, so that a draft of its first N layers agrees with it (0: always)")
+    parser.add_argument("--quiet-scale", type=float, default=0.0)
     parser.add_argument("--alone", action="store_true", help="with --model: each prompt also alone, no drafts")
     args = parser.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")
@@ -180,7 +274,12 @@ def main():
             engines[f"ngram K={k}"] = Engine(model, tokenizer, num_blocks=4096, speculative="ngram",
                                              num_speculative_tokens=k, speculative_max_batch=1024)  # fmt: skip
         for name in args.draft_models:
-            draft = load(bits)[0] if name == "itself" else random_draft(model)
+            if name == "itself":
+                draft = load(bits)[0]
+            elif name == "random":
+                draft = random_draft(model)
+            else:
+                draft = first_layers(model, llama, vars(model.args), int(name[7:]), None if bits == "none" else 4)
             engines[f"draft model ({name}) K=4"] = Engine(model, tokenizer, num_blocks=4096, draft_model=draft,
                                                           speculative_max_batch=1024)  # fmt: skip
         print(f"\nSmolLM2-135M {'float32' if bits == 'none' else '4-bit'}, at most {args.new_tokens} new tokens")

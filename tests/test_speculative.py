@@ -324,3 +324,31 @@ def test_a_draft_model_drafts_beside_a_prompt_that_runs_first_and_without_compil
     ]
     for stats in (engine.stats(), eager.stats()):
         assert stats["accepted_draft_tokens"] == stats["draft_tokens"] > 0
+
+
+def test_a_draft_model_runs_only_when_a_request_drafts_and_catches_up_in_chunks():
+    """More requests than ``speculative_max_batch``: the draft model is not called at all; when one request is
+    left it drafts after computing its K/V for every position it missed (prompt and answer so far, in calls
+    of at most ``max_num_batched_tokens``). The model drafting for itself, every draft is kept only if that
+    K/V is right."""
+    model = tiny_model("llama")
+    engine = Engine(model, draft_model=model, speculative_max_batch=2, block_size=8, num_blocks=96,
+                    max_num_batched_tokens=16)  # fmt: skip
+    runner, calls = engine.steps.drafter.runner, []
+    forward = runner.forward
+
+    def counted(chunks, *args, **kwargs):
+        calls.append((len(engine.scheduler.running), sum(c.num_tokens for c in chunks)))
+        return forward(chunks, *args, **kwargs)
+
+    runner.forward = counted
+    prompts = random_prompts([40, 9, 12, 20])
+    params = [SamplingParams(max_tokens=n) for n in (40, 6, 8, 10)]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == [
+        reference(model, p, n.max_tokens) for p, n in zip(prompts, params)
+    ]
+    assert calls and all(running <= 2 for running, _ in calls)
+    assert max(tokens for _, tokens in calls) == 16  # the first request's 40 + tokens, caught up in pieces
+    stats = engine.stats()
+    assert stats["accepted_draft_tokens"] == stats["draft_tokens"] > 0
+    assert stats["free_blocks"] == stats["num_blocks"]

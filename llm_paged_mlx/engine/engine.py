@@ -175,7 +175,8 @@ class Engine:
             max_num_batched_tokens,
         )
         drafter = draft_layouts and Drafter(ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel,
-                                                        compile_steps, chunk_tokens=max_num_batched_tokens))
+                                                        compile_steps, chunk_tokens=max_num_batched_tokens),
+                                            self.blocks)  # fmt: skip
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache

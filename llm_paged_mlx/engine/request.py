@@ -117,6 +117,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at admission
     num_disk_cached_tokens: int = 0  # of those, the ones read from the disk tier
     drafted: DraftCounts = field(default_factory=DraftCounts)  # what speculative decoding drafted for it
+    draft_start: int = 0  # a draft model's K/V may be missing from this position on (engine.drafter)
     swap_handle: object = None  # what a swap policy kept of a preempted request's K/V
     saved_state: Optional[list] = None  # with a swap handle: host copies of its recurrent state, if it has one
     num_preemptions: int = 0

@@ -129,6 +129,7 @@ _REQUEST_STATE = (
     "num_disk_cached_tokens",
     "num_preemptions",
     "num_bypassed",
+    "draft_start",
 )
 
 
@@ -321,6 +322,7 @@ class Scheduler:
             hit = kv_groups.allocate_prefix(self.blocks, tables, tokens, found)
             from_disk = self._load_from_disk(request, budget, plan)
             request.num_computed = start = hit + from_disk
+            request.draft_start = 0  # a prefix from the cache or the disk may lack a draft model's K/V
             count = min(len(tokens) - start, budget)
             request.num_cached_tokens = max(request.num_cached_tokens, start)
             request.num_disk_cached_tokens = max(request.num_disk_cached_tokens, from_disk)

@@ -213,6 +213,8 @@ class StepPipeline:
         them)."""
         draft_tokens = None
         if self.drafter is not None:
+            for chunk in chunks:  # the drafter moves their draft_start
+                self.scheduler.touch(chunk.request)
             input_tokens, draft_tokens = self.drafter.run(chunks, input_tokens)
         logits = self.runner.forward(chunks, input_tokens)
         size = self.blocks.block_size
