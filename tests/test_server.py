@@ -144,13 +144,13 @@ def test_streamed_chat_gives_the_same_text_and_usage_last(client):
 @pytest.mark.parametrize("usage", [False, True])
 def test_a_text_chunks_event_is_the_whole_chunk_encoded(kind, usage):
     from llm_paged_mlx.engine.output import StreamChunk
-    from llm_paged_mlx.server.app import _event, _Shape
+    from llm_paged_mlx.server.responses import Shape, event
 
     for model in ["a \"model\"\n", "\x00"]:
-        shape = _Shape(kind, "id-1", model, created=7, tokenizer=None, logprobs=False)
+        shape = Shape(kind, "id-1", model, created=7, tokenizer=None, logprobs=False)
         for text in ["", " Paris", 'say "hi"\n\\', "\x00 \u2028 é 😀", None]:
             chunk = StreamChunk(3, [5], text)
-            assert shape.event(chunk, usage) == _event(shape.chunk(chunk, usage=usage))
+            assert shape.event(chunk, usage) == event(shape.chunk(chunk, usage=usage))
 
 
 def test_completions_plain_and_streamed(client):
@@ -215,17 +215,17 @@ def test_stop_strings_and_seeded_sampling(client):
 
 def test_prompts_are_tokenized_off_the_loops_thread(client, monkeypatch):
     """A long prompt's tokenization (or chat template) must not hold up the loop and every running request."""
-    from llm_paged_mlx.server import app
+    from llm_paged_mlx.server import app, prompts
 
     threads = []
-    for name in ("encode_text", "render_prompt"):
-        original = getattr(app, name)
+    for module, name in ((prompts, "encode_text"), (app, "render_prompt")):
+        original = getattr(module, name)
 
         def recorded(*args, original=original):
             threads.append(threading.current_thread().name)
             return original(*args)
 
-        monkeypatch.setattr(app, name, recorded)
+        monkeypatch.setattr(module, name, recorded)
     client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2)
     client.chat.completions.create(model=MODEL, messages=chat(FRANCE), max_tokens=2)
     assert len(threads) == 2 and all(t != "llm-paged-mlx" and t != threading.main_thread().name for t in threads), threads

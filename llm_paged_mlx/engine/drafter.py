@@ -73,7 +73,9 @@ class Drafter:
                 slots = [self.blocks.slots(table, chunk.start + offset, count) for table in chunk.request.tables]
                 pieces.append(ScheduledChunk(chunk.request, count, slots, offset=offset))
         calls, tokens = [[]], 0
-        for piece in pieces:
+        # Longest first (a request's pieces keep their order): a call of single rows, which a GPU writes in
+        # place, comes after the calls of sequences, which would copy a pool an earlier in-place call kept.
+        for piece in sorted(pieces, key=lambda piece: -piece.num_tokens):
             if tokens + piece.num_tokens > size:
                 calls, tokens = calls + [[]], 0
             calls[-1].append(piece)

@@ -18,7 +18,6 @@ from ..parallel.collectives import check_same_options, shard_model
 from .block_manager import BlockManager
 from .checks import check_group, check_kernel, check_speculation
 from .disk.store import KVDiskCache, KVDiskCacheWarning
-from .drafter import Drafter
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
 from .memory import DEFAULT_MEMORY_FRACTION, format_size
@@ -174,9 +173,8 @@ class Engine:
             model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
             max_num_batched_tokens,
         )
-        drafter = draft_layouts and Drafter(ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel,
-                                                        compile_steps, chunk_tokens=max_num_batched_tokens),
-                                            self.blocks)  # fmt: skip
+        draft_runner = draft_layouts and ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel,
+                                                     compile_steps, chunk_tokens=max_num_batched_tokens)  # fmt: skip
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
@@ -197,7 +195,7 @@ class Engine:
         self._ids = itertools.count()
         self._interrupts = HeldInterrupts()
         self.steps = StepPipeline(self.blocks, self.scheduler, self.runner, swap, self.grammars, self.group,
-                                  self._interrupts, self._deliver, speculator, drafter or None)  # fmt: skip
+                                  self._interrupts, self._deliver, speculator, draft_runner)  # fmt: skip
 
     @classmethod
     def from_pretrained(cls, path_or_repo: str, **options) -> "Engine":

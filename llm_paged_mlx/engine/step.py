@@ -21,6 +21,7 @@ from .disk.format import device, host
 from .drafter import Drafter, SharedBlocks
 from .output import TokenLogprob
 from .request import Request
+from .runner import ModelRunner
 from .sampler import StepLogprobs, logprobs, sample
 from .scheduler import ScheduledChunk, StepPlan
 from .swap import discard
@@ -86,8 +87,9 @@ class StepPipeline:
     """
 
     def __init__(self, blocks, scheduler, runner, swap, grammars, group, interrupts, deliver: Callable,
-                 speculator: Optional[speculative.Speculator] = None, drafter: Optional[Drafter] = None):  # fmt: skip
-        """``speculator`` drafts, filled in by ``drafter`` (a draft model's) when given."""
+                 speculator: Optional[speculative.Speculator] = None,
+                 draft_runner: Optional[ModelRunner] = None):  # fmt: skip
+        """``speculator`` drafts, filled in by a draft model's runner when given (``engine.drafter``)."""
         self.blocks = blocks
         self.scheduler = scheduler
         self.runner = runner
@@ -97,9 +99,9 @@ class StepPipeline:
         self.interrupts = interrupts
         self.deliver = deliver
         self.speculator = speculator
-        self.drafter = drafter
-        self.runners = [runner] + ([drafter.runner] if drafter else [])  # every pool the block ids index
-        self.swapped = SharedBlocks(runner, drafter.runner) if drafter else runner  # what a swap keeps of a block
+        self.drafter = Drafter(draft_runner, blocks) if draft_runner else None
+        self.runners = [runner] + ([draft_runner] if draft_runner else [])  # every pool the block ids index
+        self.swapped = SharedBlocks(runner, draft_runner) if draft_runner else runner  # what a swap keeps of a block
         self.in_flight: Optional[BuiltStep] = None  # a step launched on the device, its tokens not yet read
         self.unread: Optional[BuiltStep] = None  # a step before in_flight, not read yet (see _launch_ahead)
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
