@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel  # noqa: E402
+from llm_paged_mlx.models.adapt import check_model  # noqa: E402
 from llm_paged_mlx.models.loading import load_model  # noqa: E402
-from llm_paged_mlx.models.paged_cache import LayerLayout, PagedLayerCache, check_model  # noqa: E402
+from llm_paged_mlx.models.paged_cache import LayerLayout, PagedLayerCache  # noqa: E402
 
 GROUP_SIZE = 64
 BITS = (8, 4)

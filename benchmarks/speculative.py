@@ -40,8 +40,8 @@ import mlx.nn as nn
 from engine_throughput import QWEN3_0_6B, build_model  # this folder
 from engine_throughput import prompts_for as random_prompts
 from long_context import LLAMA_8B
-from mlx_lm.generate import generate_step
 from mlx.utils import tree_flatten
+from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -163,7 +163,6 @@ def draft_models(args, module, config, model):
             differ = 0
             for round_ in range(args.rounds + 1):  # the first is a warm-up
                 for system, runs in [("engine", plain), ("draft", engine)]:
-                    before = runs.stats()
                     start = time.perf_counter()
                     outputs = runs.generate(prompts, params)
                     if round_:
@@ -258,8 +257,9 @@ def main():
     parser.add_argument("--max-batch", type=int, default=1024, help="with --model: speculative_max_batch")
     parser.add_argument("--quiet-after", type=int, metavar="N",
                         help="with --model and --draft-models: scale the output projections of layers N on by "
-                             "--quiet-scale, so that a draft of its first N layers agrees with it (0: always)")
-    parser.add_argument("--quiet-scale", type=float, default=0.0)
+                             "--quiet-scale, so that a draft of its first N layers agrees with the model")
+    parser.add_argument("--quiet-scale", type=float, default=0.0,
+                        help="with --quiet-after: the scale (0: the draft's greedy tokens are the model's)")
     parser.add_argument("--alone", action="store_true", help="with --model: each prompt also alone, no drafts")
     args = parser.parse_args()
     print(f"mlx {mx.__version__}, device {mx.default_device()}")

@@ -23,7 +23,7 @@ from models import LAYERS, Unfillable, model_modules, nested_config, tiny_any
 from test_engine import random_prompts, reference
 
 from llm_paged_mlx import Engine, SamplingParams
-from llm_paged_mlx.models.paged_cache import architecture
+from llm_paged_mlx.models.adapt import architecture
 
 # What the generic filler cannot guess, by module.
 OVERRIDES = {

@@ -19,7 +19,8 @@ from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
 from llm_paged_mlx.models import paged_cache
 from llm_paged_mlx.models.latent_shape import TILE_SCORE_BYTES, LatentShape, latent_shape, query_tile
-from llm_paged_mlx.models.paged_cache import PagedLatentCache, check_model
+from llm_paged_mlx.models.adapt import check_model
+from llm_paged_mlx.models.paged_cache import PagedLatentCache
 
 # The MLA models mlx-lm has, tiny: (architecture, ModelArgs overrides).
 MODELS = {

@@ -5,7 +5,8 @@ speculative decoding where verified drafts would not give the tokens decoding gi
 from typing import Optional
 
 from ..models.merged_projections import has_merged_projections
-from ..models.paged_cache import LayerLayout, architecture, check_model, model_config
+from ..models.adapt import architecture, check_model, model_config
+from ..models.paged_cache import LayerLayout
 from ..models.softcapped import has_softcapped_attention
 from ..parallel.collectives import is_sharded
 from .speculative import Speculator, check_options

@@ -11,7 +11,8 @@ from .. import plugins
 from ..errors import one_line
 from ..kernels import select_kernel
 from ..models.merged_projections import merge_projections
-from ..models.paged_cache import LayerLayout, check_model, model_config
+from ..models.adapt import check_model, model_config
+from ..models.paged_cache import LayerLayout
 from ..models.quantized_rows import fold_quantized_rows
 from ..models.state_cache import StateLayout
 from ..parallel.collectives import check_same_options, shard_model

@@ -20,7 +20,7 @@ import mlx.nn as nn
 
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.merged_projections import MergedPart
-from ..models.paged_cache import model_config
+from ..models.adapt import model_config
 from ..models.quantized_rows import DEQUANTIZED_ROWS, dequantized_bytes
 
 DEFAULT_MEMORY_FRACTION = 0.9

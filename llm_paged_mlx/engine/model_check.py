@@ -30,7 +30,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import files
 from ..kernels.dialect import source_dir
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS
-from ..models.paged_cache import architecture, float32_attention, model_config
+from ..models.adapt import architecture, model_config
+from ..models.paged_cache import float32_attention
 from .request import Request, SamplingParams
 from .scheduler import ScheduledChunk
 
@@ -44,8 +45,8 @@ _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the 
 _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernels' sources): a change makes every verdict new.
 _OWN_SOURCES = (
-    "engine/*.py", "kernels/*.py", "models/paged_cache.py", "models/quantized_rows.py", "models/softcapped.py",
-    "models/state_cache.py", "models/latent_shape.py", "models/merged_projections.py",
+    "engine/*.py", "kernels/*.py", "models/adapt.py", "models/paged_cache.py", "models/quantized_rows.py",
+    "models/softcapped.py", "models/state_cache.py", "models/latent_shape.py", "models/merged_projections.py",
 )  # fmt: skip
 
 

@@ -30,7 +30,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
-from ..models.paged_cache import LayerLayout, PagedLayerCache, model_caches
+from ..models.adapt import model_caches
+from ..models.paged_cache import LayerLayout, PagedLayerCache
 from ..models.state_cache import StateLayout, honours_lengths
 from .kv_groups import KVGroups, kv_groups
 from .scheduler import ScheduledChunk

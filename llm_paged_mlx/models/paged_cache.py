@@ -30,25 +30,19 @@ sequence's first position.
 """
 
 import contextlib
-import inspect
 import sys
-import threading
 from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as mlx_base
-from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, overlay, visible_keys
 from ..kernels.quantized import QuantizedPool, check_quantization, rotate, unrotate
 from .latent_shape import query_tile
-from .softcapped import ADAPTED, adapt_attention
-from .state_cache import StateLayout
 
 _original_sdpa = mlx_base.scaled_dot_product_attention
-_SDPA_SIGNATURE = inspect.signature(_original_sdpa)
 # What quantization errors call the rows of a pool.
 KV_ROWS = "the model's K/V head dimension"
 LATENT_ROWS = "the width of the model's MLA rows (latent + RoPE)"
@@ -393,10 +387,6 @@ def install_attention_hook(model: nn.Module) -> list[str]:
     return patched
 
 
-# Architectures whose RoPE positions are built with arange(offset): a per-row offset breaks them.
-_ARANGE_POSITION_MODELS = {"gpt_bigcode", "llama4"}
-
-
 @dataclass(frozen=True)
 class LayerLayout:
     """What one layer caches per token: K and V rows per KV head, or (``latent``) one MLA row whose
@@ -429,138 +419,3 @@ class LayerLayout:
             return PagedLatentCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size)
         dims = (self.num_kv_heads, self.k_dim, self.v_dim, self.dtype)
         return PagedLayerCache(num_blocks, block_size, *dims, kernel, kv_bits, kv_group_size, self.window)
-
-
-def model_config(model: nn.Module):
-    """The model's ModelArgs (mlx-lm keeps them as ``args``, in a few modules as ``config``), or None."""
-    return getattr(model, "args", None) or getattr(model, "config", None)
-
-
-def architecture(model: nn.Module) -> str:
-    """The model's ``model_type``, or the name of its mlx-lm module when it has none."""
-    return getattr(model_config(model), "model_type", None) or type(model).__module__.split(".")[-1]
-
-
-def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
-    """The layout of each cache the model takes (``CacheList`` members in order): K/V for attention
-    layers, state for recurrent ones; or a ValueError saying why the model is not supported."""
-    model_type = architecture(model)
-    if model_type in _ARANGE_POSITION_MODELS:
-        raise ValueError(f"{model_type}: builds RoPE positions with arange(offset), which needs one offset per batch")
-    from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE
-
-    for _, module in model.named_modules():
-        if isinstance(module, DynamicNTKScalingRoPE):
-            raise ValueError(f"{model_type}: DynamicNTKScalingRoPE does not accept per-sequence offsets")
-    try:
-        structure = make_prompt_cache(model)
-    except Exception as e:
-        raise ValueError(f"{model_type}: mlx-lm cannot make its cache: {type(e).__name__}: {e}") from e
-    labelled = [  # (how a refusal names the cache, the cache)
-        (f"layer {i}" if type(entry) is not CacheList else f"layer {i}'s cache {j}", cache)
-        for i, entry in enumerate(structure)
-        for j, cache in enumerate(entry.caches if type(entry) is CacheList else (entry,))
-    ]
-    caches = [cache for _, cache in labelled]
-    odd = sorted({type(c).__name__ for c in caches if type(c) not in (KVCache, RotatingKVCache, ArraysCache)})
-    if odd:
-        raise ValueError(f"{model_type}: needs {', '.join(odd)}, not supported yet")
-    if all(type(c) is ArraysCache for c in caches):
-        raise ValueError(f"{model_type}: has no attention layers (only recurrent state), nothing to page")
-    for label, cache in labelled:
-        if type(cache) is RotatingKVCache and cache.keep:
-            raise ValueError(
-                f"{model_type}: {label} keeps its first {cache.keep} tokens beside its window, not supported yet"
-            )
-    adapted = adapt_attention(model)
-    modules = install_attention_hook(model)
-    if not modules and not adapted:
-        raise ValueError(f"{model_type}: attention does not go through mlx_lm.models.base.scaled_dot_product_attention")
-    try:
-        calls = _probe(model, structure, modules)
-    except Exception as e:
-        raise ValueError(f"{model_type}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
-    layouts = []
-    for label, cache in labelled:
-        if type(cache) is ArraysCache:  # what one token left in it: the state's shape per sequence
-            layouts.append(StateLayout(tuple(None if a is None else (a.shape[1:], a.dtype) for a in cache.cache)))
-            continue
-        if cache.keys is None:
-            raise ValueError(f"{model_type}: {label} stores no K/V in its cache")
-        if id(cache) not in calls:  # the paged kernel would never see this layer's queries
-            if any(type(m).__name__ == "Indexer" for _, m in model.named_modules()):
-                raise ValueError(
-                    f"{model_type}: sparse attention is not supported: its indexer reads cached keys directly "
-                    f"to pick the top-k tokens ({label} is not passed to scaled_dot_product_attention)"
-                )
-            raise ValueError(
-                f"{model_type}: {label} does not pass its cache to scaled_dot_product_attention "
-                "(it attends to what update_and_fetch returns)"
-            )
-        if calls[id(cache)]:  # MLA: the cached "keys" are the latent, the cached "values" the RoPE keys
-            latent_dim, rope_dim = cache.keys.shape[-1], cache.values.shape[-1]
-            layouts.append(LayerLayout(1, latent_dim + rope_dim, latent_dim, cache.keys.dtype, latent=True))
-        else:
-            _, heads, _, k_dim = cache.keys.shape
-            window = cache.max_size if type(cache) is RotatingKVCache else None
-            layouts.append(LayerLayout(heads, k_dim, cache.values.shape[-1], cache.keys.dtype, window=window))
-    if any(isinstance(x, StateLayout) for x in layouts) and any(getattr(x, "latent", False) for x in layouts):
-        raise ValueError(f"{model_type}: multi-head latent attention beside recurrent layers is not supported yet")
-    return layouts
-
-
-def model_caches(model: nn.Module, caches: list) -> list:
-    """``caches`` (one per ``check_model`` layout) arranged as the model takes them (``CacheList`` groups)."""
-    remaining = iter(caches)
-    return [
-        CacheList(*(next(remaining) for _ in entry.caches)) if type(entry) is CacheList else next(remaining)
-        for entry in make_prompt_cache(model)
-    ]
-
-
-_PROBE_LOCK = threading.Lock()
-
-
-def _probe(model: nn.Module, structure: list, modules: list[str]) -> dict[int, bool]:
-    """Run one token through mlx-lm's own path. For the id of each cache its attention calls were given:
-    whether every call attends latents (MLA): one cached head given as both keys and values, the
-    cache's second array (the RoPE keys) something else, and the RoPE scores as a float mask."""
-    calls = {}
-
-    def recording(*args, **kwargs):
-        call = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-        cache, keys, mask = call["cache"], call["keys"], call.get("mask")
-        cached = getattr(cache, "keys", None), getattr(cache, "values", None)
-        latent = (
-            keys is call["values"]
-            and keys.shape[1] == 1
-            and cached[0] is not None
-            and keys.shape[-1] == cached[0].shape[-1]
-            and not (cached[0].shape == cached[1].shape and mx.array_equal(*cached).item())  # not tied K and V
-            and isinstance(mask, mx.array)
-            and mx.issubdtype(mask.dtype, mx.floating)
-        )
-        calls[id(cache)] = calls.get(id(cache), True) and latent
-        return paged_scaled_dot_product_attention(*args, **kwargs)
-
-    def adapted(call):  # softcapped layers (``softcapped``) pass their cache to the paged kernel themselves
-        def recording_call(self, x, mask=None, cache=None):
-            calls[id(cache)] = False
-            return call(self, x, mask, cache)
-
-        return recording_call
-
-    with _PROBE_LOCK:  # the recorders are set on modules and classes that every model in the process shares
-        own_calls = {cls: cls.__call__ for cls in ADAPTED.values()}
-        for name in modules:
-            sys.modules[name].scaled_dot_product_attention = recording
-        for cls, call in own_calls.items():
-            cls.__call__ = adapted(call)
-        try:
-            mx.eval(model(mx.array([[0]]), cache=structure))  # one token shows each layer's K/V shapes
-        finally:
-            for name in modules:
-                sys.modules[name].scaled_dot_product_attention = paged_scaled_dot_product_attention
-            for cls, call in own_calls.items():
-                cls.__call__ = call
-    return calls

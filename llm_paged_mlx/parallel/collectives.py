@@ -17,7 +17,7 @@ import socket
 import mlx.core as mx
 import mlx.nn as nn
 
-from ..models.paged_cache import architecture, model_config
+from ..models.adapt import architecture, model_config
 
 
 SHARDED = (nn.AllToShardedLinear, nn.ShardedToAllLinear, nn.QuantizedAllToShardedLinear, nn.QuantizedShardedToAllLinear)
