@@ -174,8 +174,8 @@ class Engine:
             model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
             max_num_batched_tokens,
         )
-        draft_runner = draft_layouts and ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel,
-                                                     compile_steps, chunk_tokens=max_num_batched_tokens)  # fmt: skip
+        draft_runner = ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel, compile_steps,
+                                   chunk_tokens=max_num_batched_tokens) if draft_layouts else None  # fmt: skip
         if verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
         self.disk = kv_disk_cache
