@@ -78,7 +78,7 @@ def fragmentation(model, tokenizer, block_size=16, count=16, seed=0):
     vocab = model.args.vocab_size
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(8, 900))] for _ in range(count)]
     engine = Engine(model, max_num_seqs=count, enable_prefix_caching=False, block_size=block_size)
-    per_token = engine.runner.kv_bytes // (engine.blocks.num_blocks * block_size)
+    per_token = engine.runner.kv.nbytes // (engine.blocks.num_blocks * block_size)
     ids = [engine.add_request(p, SamplingParams(max_tokens=1000)) for p in prompts]
     while any(engine.requests[i].num_computed < len(p) for i, p in zip(ids, prompts)):
         engine.step()

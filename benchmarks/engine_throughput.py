@@ -170,9 +170,9 @@ def main(argv=None):
           f"{'small ' if args.small else ''}{args.model}-shaped {dtype}{weights}, prompts of {args.prompt_tokens[0]}-"
           f"{args.prompt_tokens[1]} tokens, {args.new_tokens} new tokens per request")
     runner = Engine(model, num_blocks=4, verify_model=False).runner
-    print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in runner.layouts):,}")
-    if runner.state_layouts:
-        per_sequence = sum(layout.bytes_per_sequence for layout in runner.state_layouts)
+    print(f"K/V bytes per token in the engine's pool: {sum(l.bytes_per_token() for l in runner.spec.attention):,}")
+    if runner.spec.states:
+        per_sequence = sum(layout.bytes_per_sequence for layout in runner.spec.states)
         print(f"recurrent state bytes per sequence: {per_sequence:,}")
     del runner
     single_stream_tps(baseline, prompts_for(1, vocab)[0], 8)

@@ -325,10 +325,10 @@ def quality_table(model, tokenizer, num_tokens: int, chunk: int, as_rows=False):
 
 
 def kv_layouts(model) -> list[LayerLayout]:
-    layouts = check_model(model)
-    if not all(isinstance(layout, LayerLayout) for layout in layouts):
+    spec = check_model(model)
+    if spec.states:
         raise SystemExit("kv_quality.py measures models whose every cache holds K/V (no recurrent layers)")
-    return layouts
+    return spec.attention
 
 
 def capacity_table(model, budget: int):

@@ -132,7 +132,7 @@ def engine_for(model, bits, limit, vocab, group_size=64):
 
 def memory_note(engine):
     return (
-        f"pool {engine.runner.kv_bytes / GIB:.2f} GiB, active {mx.get_active_memory() / GIB:.2f} GiB, "
+        f"pool {engine.runner.kv.nbytes / GIB:.2f} GiB, active {mx.get_active_memory() / GIB:.2f} GiB, "
         f"cache {mx.get_cache_memory() / GIB:.2f} GiB"
     )
 

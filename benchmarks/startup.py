@@ -36,7 +36,7 @@ def start_and_answer(model, tokenizer, budget, initial):
     engine = Engine(model, tokenizer, kv_budget_bytes=budget)
     built = time.perf_counter() - start
     engine.generate([PROMPT], SamplingParams(max_tokens=8))
-    return built, time.perf_counter() - start, engine.runner.kv_bytes
+    return built, time.perf_counter() - start, engine.runner.kv.nbytes
 
 
 def main(argv=None):

@@ -294,14 +294,14 @@ def _parse_options(options: dict):
 def _served_model(name: str, options: dict, max_waiting: int, group=None):
     """The model ``name`` names, loaded (sharded over ``group``, on its rank 0, if given)."""
     from .engines import engine_loop
-    from .options import engine_options, sampling_params
+    from .options import sampling_params, serving_config
     from .server import ServedModel
 
     model_id, source, fetch, aliases = _find_model(name)
     parsed = _parse_options(options)
+    config = serving_config(parsed)
     defaults = {k: v for k, v in vars(sampling_params(parsed)).items() if k in options or k == "max_tokens"}
     loop = engine_loop(model_id, source, fetch, max_waiting=max_waiting, group=group, on_group_failure=_stop_serving)
-    config = engine_options(parsed)
     click.echo(f"Loading {model_id}...", err=True)
     loop.prepare(config).result()
     context = loop.engine.max_context or loop.engine.max_blocks * loop.engine.blocks.block_size

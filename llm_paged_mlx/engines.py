@@ -39,8 +39,7 @@ def engine_loop(
 ) -> EngineLoop:
     """The loop that serves ``model_id`` (from ``source``) over ``tensor_parallel`` ranks, started if needed.
 
-    Each request's config is its engine options (``options.engine_options``):
-    other options rebuild the engine once the requests before them end, reusing
+    Each request's config is a ``options.ServingConfig``: another config rebuilds the engine once the requests before them end, reusing
     the loaded weights. With ``tensor_parallel`` > 1 the model is sharded over
     that many ranks on this machine, this process their rank 0, which start
     with the first engine (``ranks.lead``). With ``group`` (an
@@ -69,14 +68,14 @@ def stop_all() -> None:
 
 def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_parallel: int = 1,
                    on_group_failure: Optional[Callable[[Exception], None]] = None):  # fmt: skip
-    """``build(options, weights)``: the engine for ``options`` (on the loop's thread), with ``weights``
+    """``build(config, weights)``: the engine for ``config`` (a ``ServingConfig``, on the loop's thread), with ``weights``
     (model, tokenizer) if given. With ``group``, or ``tensor_parallel`` > 1 (ranks this process starts at
     the first build), the engine is sharded: on rank 0 it is a ``mirror.LeadEngine``, and the other ranks
     are told to build theirs first. The disk tier is left out then (the ranks do not share one)."""
 
     doorbell = None  # with ranks this process starts: wakes them for each message (mirror.share)
 
-    def build(options: dict, weights):
+    def build(config, weights):
         from .engine.engine import Engine
         from .parallel import mirror
         from .parallel.collectives import check_shardable
@@ -92,18 +91,16 @@ def engine_builder(model_id: str, fetch: Callable[[], str], group=None, tensor_p
                 group, doorbell = ranks.lead(tensor_parallel, str(folder), model_id, follower=__name__)
             lead = group is not None and group.rank() == 0
             if lead:
-                mirror.announce_build(options, group, doorbell)
-            engine_kwargs = dict(options)
-            disk_budget = engine_kwargs.pop("kv_disk_budget")
-            if "draft_model" in engine_kwargs:  # its id, folder or repo
-                draft_folder = resolve_model_path(model_source(options["draft_model"]))
-                engine_kwargs["draft_model"], _ = load_model(str(draft_folder))
-            quantization = (options["kv_bits"], options["kv_group_size"]) if options["kv_bits"] else None
+                mirror.announce_build(config, group, doorbell)
+            draft_model, options = None, config.engine
+            if config.draft_model is not None:  # its id, folder or repo
+                draft_model, _ = load_model(str(resolve_model_path(model_source(config.draft_model))))
+            quantization = (options.kv_bits, options.kv_group_size) if options.kv_bits else None
             disk = None
-            if disk_budget and options["enable_prefix_caching"] and group is None:
-                disk = disk_cache(folder, disk_budget, quantization)
-            engine = Engine(model, tokenizer, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json",
-                            tensor_parallel=group, **engine_kwargs)  # fmt: skip
+            if config.kv_disk_budget and options.enable_prefix_caching and group is None:
+                disk = disk_cache(folder, config.kv_disk_budget, quantization)
+            engine = Engine(model, tokenizer, options, kv_disk_cache=disk, verdict_file=plugin_dir() / "verdicts.json",
+                            tensor_parallel=group, draft_model=draft_model)  # fmt: skip
         except (ValueError, RuntimeError, OSError) as e:  # ModelFetchError is a RuntimeError
             raise ModelLoadError(f"{model_id}: {one_line(e)}") from None
         return mirror.LeadEngine(engine, group, on_group_failure, doorbell) if lead else engine

@@ -33,6 +33,9 @@ class PagedAttentionLayer(nn.Module):
         kv_heads = num_kv_heads or num_heads
         if num_heads % kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({kv_heads})")
+        if manager.num_heads not in (None, num_heads) or manager.head_dim not in (None, head_dim):
+            raise ValueError(f"the manager was made for {manager.num_heads} heads of {manager.head_dim}, not "
+                             f"{num_heads} of {head_dim}")  # fmt: skip
         dims = num_heads * head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, kv_heads, head_dim
         self.scale = 1 / math.sqrt(head_dim)

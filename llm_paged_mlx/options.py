@@ -1,10 +1,14 @@
 """The plugin's model options (``-o key value``), and what they ask of the engine and the sampler."""
 
 import re
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .engine.config import DEFAULT_MAX_NUM_SEQS, MAX_SPECULATIVE_TOKENS, EngineConfig
+
+DEFAULTS = EngineConfig()
 DEFAULT_MAX_TOKENS = 1024
 DEFAULT_KV_DISK_BUDGET = 4 * 1024**3
 
@@ -47,32 +51,33 @@ class PagedOptions(BaseModel):
     )
     seed: Optional[int] = Field(None, description="Random seed, for repeatable sampling")
     stop: Optional[str] = Field(None, min_length=1, description="Stop generating when this string appears")
-    block_size: Optional[int] = Field(None, ge=1, le=1024, description="Tokens per KV cache block (default 16)")
+    block_size: Optional[int] = Field(None, ge=1, le=1024, description=f"Tokens per KV cache block (default {DEFAULTS.block_size})")
     kv_budget: Optional[Union[int, Literal["auto"]]] = Field(
         None,
         description="KV cache size: auto (the default: what the device's memory leaves), or bytes, or with a unit such as 512MB or 2GB",
     )
     memory_fraction: Optional[float] = Field(
-        None, gt=0, le=1, description="With kv_budget auto: the share of the device's memory to use in all (default 0.9)"
+        None, gt=0, le=1, description="With kv_budget auto: the share of the device's memory to use in all "
+        f"(default {DEFAULTS.memory_fraction})"
     )
     kv_bits: Optional[Literal[8, 4]] = Field(
         None, description="Store the KV cache quantized in 8 or 4 bits: about 1.9x or 3.5x the context in the same memory "
         "(greedy answers may then differ slightly between a cached and an uncached prompt)"
     )
     kv_group_size: Optional[Literal[32, 64, 128]] = Field(
-        None, description="Values per scale and bias of a quantized KV cache (default 64)"
+        None, description=f"Values per scale and bias of a quantized KV cache (default {DEFAULTS.kv_group_size})"
     )
-    scheduler: Optional[str] = Field(None, description="Scheduling policy: fcfs (default), priority, or one a plugin adds")
-    attention_kernel: Optional[str] = Field(None, description="Paged attention kernel: auto (default), portable, metal, cuda, or one a plugin adds")
-    prefix_cache: Optional[bool] = Field(None, description="Reuse the KV of earlier prompts' common prefix (default true)")
+    scheduler: Optional[str] = Field(None, description=f"Scheduling policy: {DEFAULTS.scheduler} (default), priority, or one a plugin adds")
+    attention_kernel: Optional[str] = Field(None, description=f"Paged attention kernel: {DEFAULTS.attention_kernel} (default), portable, metal, cuda, or one a plugin adds")
+    prefix_cache: Optional[bool] = Field(None, description=f"Reuse the KV of earlier prompts' common prefix (default {str(DEFAULTS.enable_prefix_caching).lower()})")
     kv_disk_budget: Optional[int] = Field(
-        None, ge=0, description="Disk space for KV blocks kept across processes, e.g. 4GB (the default); 0 turns it off"
+        None, ge=0, description=f"Disk space for KV blocks kept across processes, e.g. {DEFAULT_KV_DISK_BUDGET >> 30}GB (the default); 0 turns it off"
     )
     max_num_seqs: Optional[int] = Field(
-        None, ge=1, description="Most requests decoded together in one step (default 64, fewer for hybrid models whose recurrent state would fill half the budget); raise it to serve many clients at once"
+        None, ge=1, description=f"Most requests decoded together in one step (default {DEFAULT_MAX_NUM_SEQS}, fewer for hybrid models whose recurrent state would fill half the budget); raise it to serve many clients at once"
     )
     max_num_batched_tokens: Optional[int] = Field(
-        None, ge=1, description="Most tokens (prompt chunks and decoded tokens) in one step (default 2048)"
+        None, ge=1, description=f"Most tokens (prompt chunks and decoded tokens) in one step (default {DEFAULTS.max_num_batched_tokens})"
     )
     speculative: Optional[Literal["ngram"]] = Field(
         None, description="Speculative decoding: ngram drafts the answer's next tokens from the prompt and the answer "
@@ -83,7 +88,8 @@ class PagedOptions(BaseModel):
         "this plugin's model ids, an mlx-lm folder or a Hugging Face repo): it drafts tokens that each step checks"
     )
     num_speculative_tokens: Optional[int] = Field(
-        None, ge=1, description="With speculative or draft_model: the most tokens drafted a step (default 4, up to 16)"
+        None, ge=1, description="With speculative or draft_model: the most tokens drafted a step "
+        f"(default {DEFAULTS.num_speculative_tokens}, up to {MAX_SPECULATIVE_TOKENS})"
     )
     tensor_parallel: Optional[int] = Field(
         None, ge=1, description="Shard the model over this many processes on this machine, one per GPU (NVIDIA: nccl; "
@@ -141,24 +147,30 @@ class PagedOptions(BaseModel):
         return value
 
 
-def engine_options(options: PagedOptions) -> dict:
-    """The Engine keyword arguments the options ask for (defaults filled in)."""
-    return {
-        "block_size": options.block_size or 16,
-        "kv_budget_bytes": options.kv_budget or "auto",
-        "kv_bits": options.kv_bits,
-        "kv_group_size": options.kv_group_size or 64,
-        "scheduler": options.scheduler or "fcfs",
-        "attention_kernel": options.attention_kernel or "auto",
-        "enable_prefix_caching": options.prefix_cache is not False,
-        "kv_disk_budget": DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget,
-        **{  # the Engine's own defaults where they are not given
-            name: getattr(options, name)
-            for name in ("memory_fraction", "max_num_seqs", "max_num_batched_tokens", "speculative",
-                         "num_speculative_tokens", "draft_model")
-            if getattr(options, name) is not None
-        },
-    }
+@dataclass(frozen=True)
+class ServingConfig:
+    """What a model's engine loop builds an engine with: the engine's config, the disk tier's budget (0: none)
+    and the draft model (one of this plugin's ids, a folder or a repo)."""
+
+    engine: EngineConfig
+    kv_disk_budget: int = DEFAULT_KV_DISK_BUDGET
+    draft_model: Optional[str] = None
+
+
+# Engine options as the plugin names them, where the names differ
+_ENGINE_NAMES = {"kv_budget": "kv_budget_bytes", "prefix_cache": "enable_prefix_caching"}
+_ENGINE_OPTIONS = ("block_size", "kv_budget", "memory_fraction", "kv_bits", "kv_group_size", "scheduler",
+                   "attention_kernel", "prefix_cache", "max_num_seqs", "max_num_batched_tokens", "speculative",
+                   "num_speculative_tokens")  # fmt: skip
+
+
+def serving_config(options: PagedOptions) -> ServingConfig:
+    """The engine the options ask for: ``EngineConfig``'s defaults where they are not given, but with the
+    budget ``"auto"`` (what the device's memory leaves)."""
+    given = {_ENGINE_NAMES.get(name, name): getattr(options, name) for name in _ENGINE_OPTIONS}
+    engine = EngineConfig(**{"kv_budget_bytes": "auto", **{k: v for k, v in given.items() if v is not None}})
+    disk_budget = DEFAULT_KV_DISK_BUDGET if options.kv_disk_budget is None else options.kv_disk_budget
+    return ServingConfig(engine, disk_budget, options.draft_model)
 
 
 def sampling_params(options: PagedOptions, json_schema: Optional[dict] = None):

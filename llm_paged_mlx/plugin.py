@@ -18,7 +18,7 @@ from .catalog import builtin_models, registered_models
 from .engine.loop import StepFailed, Submission
 from .engines import ModelLoadError, engine_loop
 from .errors import one_line
-from .options import PagedOptions, engine_options, sampling_params
+from .options import PagedOptions, sampling_params, serving_config
 
 
 @llm.hookimpl
@@ -133,12 +133,13 @@ class _PagedBase:
 
         try:
             params = sampling_params(prompt.options, prompt.schema)
+            config = serving_config(prompt.options)
         except ValueError as e:
             raise llm.ModelError(one_line(e)) from None
         messages, tools = chat_messages(prompt), tool_specs(prompt)
         loop = engine_loop(self.model_id, self.source, self.fetch, tensor_parallel=prompt.options.tensor_parallel or 1)
         render = lambda tokenizer: render_prompt(tokenizer, messages, tools)  # noqa: E731
-        return loop.submit(render, params, engine_options(prompt.options))
+        return loop.submit(render, params, config)
 
 
 class _Answer:

@@ -17,9 +17,9 @@ from pathlib import Path
 from llm_paged_mlx import engines
 from llm_paged_mlx.parallel import ranks
 from llm_paged_mlx.engine.request import SamplingParams
-from llm_paged_mlx.options import PagedOptions, engine_options
+from llm_paged_mlx.options import PagedOptions, serving_config
 
-CONFIG = engine_options(PagedOptions(kv_budget="32MB"))
+CONFIG = serving_config(PagedOptions(kv_budget="32MB"))
 
 
 def report(error: Exception) -> None:

@@ -142,7 +142,7 @@ class EngineMachine(RuleBasedStateMachine):
         engine.scheduler.policy.key = wrap("policy", engine.scheduler.policy.key)
         engine.swap.swap_out = wrap("swap out", engine.swap.swap_out)
         engine.swap.swap_in = wrap("swap in", engine.swap.swap_in)
-        engine.runner.write_blocks = wrap("write blocks", engine.runner.write_blocks)
+        engine.runner.kv.write_blocks = wrap("write blocks", engine.runner.kv.write_blocks)
         engine.runner.forward = wrap("forward", engine.runner.forward)
         engine.runner.launch = wrap("launch", engine.runner.launch, DeviceFault)
         engine.steps.wait = wrap("wait", engine.steps.wait, KeyboardInterrupt)
@@ -210,7 +210,7 @@ class EngineMachine(RuleBasedStateMachine):
         engine = getattr(self, "engine", None)
         if engine is None:
             return
-        bm = engine.blocks
+        bm = engine.blocks.manager
         held = Counter(b for r in engine.requests.values() for seq in r.tables for b in seq.table if b)
         free = set(bm.free_queue)
         assert 0 not in free

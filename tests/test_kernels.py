@@ -13,6 +13,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from llm_paged_mlx import plugins
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
 from llm_paged_mlx.kernels.portable import QUERY_TILE, PortableKernel, chunk_attention, decode_attention
@@ -226,6 +227,19 @@ def test_auto_picks_portable_on_cpu():
     assert select_kernel("auto").name == "portable"
     assert CudaKernel.auto_priority > PortableKernel.auto_priority
     assert MetalKernel.auto_priority > PortableKernel.auto_priority
+
+
+def test_a_registered_kernel_must_be_an_attention_kernel(monkeypatch):
+    class Duck:  # the interface, without declaring what it supports
+        name, auto_priority = "duck", 0
+
+        def is_available(self):
+            return True
+
+    monkeypatch.setattr(plugins, "attention_kernels", lambda: {"duck": Duck})
+    for name in ("duck", "auto"):
+        with pytest.raises(ValueError, match="attention kernel 'duck' is a Duck, not an llm_paged_mlx.kernels"):
+            select_kernel(name)
 
 
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="CPU only")

@@ -459,7 +459,7 @@ def _decode_peak(engine, prompt, steps):
 
     def launch_holding(*outputs):
         launch(*outputs)
-        held[:] = engine.runner.pools()
+        held[:] = engine.runner.kv.arrays()
 
     engine.runner.launch = launch_holding
     request = engine.add_request(prompt, SamplingParams(max_tokens=steps + 8))
@@ -482,7 +482,7 @@ def test_decode_steps_launched_ahead_write_the_pools_in_place(monkeypatch):
     monkeypatch.setattr(StepPipeline, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
     model = tiny_model("llama")
     engine = Engine(model, num_blocks=4096)  # a pool array of 16 MiB
-    array_bytes = engine.runner.pools()[0].nbytes
+    array_bytes = engine.runner.kv.arrays()[0].nbytes
     in_place = _decode_peak(engine, random_prompts([20], seed=4)[0], 40)
     assert engine.runner.writes_in_place
     assert len(launched) >= 40 and in_place < array_bytes / 4

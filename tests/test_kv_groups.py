@@ -1,8 +1,8 @@
 """Block tables per group of attention layers: how layers are grouped, and windowed tables that return the blocks
 their window has passed, through transactions and the prefix cache."""
 
-from llm_paged_mlx.engine import kv_groups
 from llm_paged_mlx.engine.block_manager import NULL_BLOCK, BlockManager
+from llm_paged_mlx.engine.kv_coordinator import KVCoordinator
 from llm_paged_mlx.engine.kv_groups import kv_groups as group_layers
 
 GEMMA3_27B = [None if (i + 1) % 6 == 0 else 1024 for i in range(62)]  # 52 windowed layers, 10 global
@@ -48,12 +48,13 @@ def windowed(bm, window=32):
 
 
 def test_a_windowed_table_returns_the_blocks_its_window_passed():
-    bm = BlockManager(32, 16)
+    kv = KVCoordinator(BlockManager(32, 16))
+    bm = kv.manager
     seq = windowed(bm)
-    assert kv_groups.append_slots(bm, [seq], 0, 100, sequence_tokens) is not None  # 7 blocks
+    assert kv.append_slots([seq], 0, 100, sequence_tokens) is not None  # 7 blocks
     held = list(seq.table)
     # The next query, at position 100, reaches back to 69: blocks 0-3 are passed.
-    kv_groups.append_slots(bm, [seq], 100, 1, sequence_tokens)
+    kv.append_slots([seq], 100, 1, sequence_tokens)
     assert seq.table[:4] == [NULL_BLOCK] * 4 and seq.table[4:] == held[4:]
     assert bm.num_free_blocks == 31 - 3
     bm.free(seq)
@@ -61,30 +62,31 @@ def test_a_windowed_table_returns_the_blocks_its_window_passed():
 
 
 def test_a_rollback_brings_passed_blocks_back():
-    bm = BlockManager(32, 16)
+    kv = KVCoordinator(BlockManager(32, 16))
+    bm = kv.manager
     seq = windowed(bm)
-    kv_groups.append_slots(bm, [seq], 0, 100, sequence_tokens)
+    kv.append_slots([seq], 0, 100, sequence_tokens)
     before = (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks])
     bm.begin()
-    kv_groups.append_slots(bm, [seq], 100, 40, sequence_tokens)
+    kv.append_slots([seq], 100, 40, sequence_tokens)
     bm.rollback()
     assert (list(seq.table), seq.live_from, list(bm.free_queue), [b.ref_count for b in bm.blocks]) == before
 
 
 def test_a_resumed_table_takes_blocks_for_its_window_only():
-    bm = BlockManager(32, 16)
+    kv = KVCoordinator(BlockManager(32, 16))
+    bm = kv.manager
     seq = windowed(bm)
-    kv_groups.restore_slots(bm, [seq], 100)
+    kv.restore_slots([seq], 100)
     assert seq.table[:4] == [NULL_BLOCK] * 4 and NULL_BLOCK not in seq.table[4:] and len(seq.table) == 7
 
 
-def start(bm, tables, tokens):
+def start(kv, tables, tokens):
     """Admit a sequence as the scheduler does: its cached prefix, slots for the rest, its full blocks cached."""
-    found = kv_groups.cached_prefix(bm, tables, tokens)
-    hit = kv_groups.allocate_prefix(bm, tables, tokens, found)
-    assert kv_groups.append_slots(bm, tables, hit, len(tokens) - hit, lambda: tokens) is not None
-    for seq in tables:
-        bm.cache_full_blocks(seq, tokens, len(tokens))
+    found = kv.cached_prefix(tables, tokens)
+    hit = kv.allocate_prefix(tables, tokens, found)
+    assert kv.append_slots(tables, hit, len(tokens) - hit, lambda: tokens) is not None
+    kv.cache_full_blocks(tables, tokens, len(tokens))
     return hit
 
 
@@ -93,35 +95,34 @@ PROMPT = list(range(160))
 
 
 def first_sequence():
-    """A block manager, the groups, and the tables of a first 160-token sequence, started and cached."""
-    bm = BlockManager(64, 16)
-    groups = group_layers([32, None], uniform=True)
-    first = groups.new_tables()
-    start(bm, first, PROMPT)
-    return bm, groups, first
+    """A coordinator over a block manager, and the tables of a first 160-token sequence, started and cached."""
+    kv = KVCoordinator(BlockManager(64, 16), group_layers([32, None], uniform=True))
+    first = kv.new_tables()
+    start(kv, first, PROMPT)
+    return kv, first
 
 
 def test_a_cached_prefix_needs_only_the_blocks_the_window_reaches():
-    bm, groups, first = first_sequence()
+    kv, first = first_sequence()
     tokens, full, window = PROMPT, FULL, WINDOW
     passed = first[window].table[:8]
-    kv_groups.append_slots(bm, first, 160, 1, sequence_tokens)  # the windowed table passes its first 8 blocks
+    kv.append_slots(first, 160, 1, sequence_tokens)  # the windowed table passes its first 8 blocks
     assert first[window].table[:8] == [NULL_BLOCK] * 8
-    kv_groups.free(bm, first)
-    bm.uncache(passed)  # as if other requests had taken them
-    second = groups.new_tables()
-    assert start(bm, second, tokens + [7, 7]) == 160
+    kv.free(first)
+    kv.uncache(passed)  # as if other requests had taken them
+    second = kv.new_tables()
+    assert start(kv, second, tokens + [7, 7]) == 160
     assert second[window].table[:8] == [NULL_BLOCK] * 8 and NULL_BLOCK not in second[full].table
 
 
 def test_a_cached_prefix_shortens_when_the_window_s_blocks_are_gone():
-    bm, groups, first = first_sequence()
+    kv, first = first_sequence()
     tokens = PROMPT
     last_windowed = first[WINDOW].table[9]  # holds positions 144-159: the window of position 160 needs it
-    kv_groups.free(bm, first)
-    bm.uncache([last_windowed])
-    second = groups.new_tables()
-    found = kv_groups.cached_prefix(bm, second, tokens + [7])
+    kv.free(first)
+    kv.uncache([last_windowed])
+    second = kv.new_tables()
+    found = kv.cached_prefix(second, tokens + [7])
     # 160 tokens would need windowed blocks 8 and 9; 144 needs 7 and 8, which are cached.
     assert [len(blocks) for blocks in found] == [9, 9]
     assert found[1][:7] == [NULL_BLOCK] * 7 and NULL_BLOCK not in found[1][7:] + found[0]
@@ -129,10 +130,9 @@ def test_a_cached_prefix_shortens_when_the_window_s_blocks_are_gone():
 
 def test_groups_hash_apart():
     """The same tokens in two groups are other layers' K/V: a block of one never serves the other."""
-    bm = BlockManager(64, 16)
-    groups = group_layers([32, None], uniform=True)
-    tables = groups.new_tables()
-    start(bm, tables, list(range(64)))
-    assert len(bm.cached) == 8  # four blocks in each table, none shared
+    kv = KVCoordinator(BlockManager(64, 16), group_layers([32, None], uniform=True))
+    tables = kv.new_tables()
+    start(kv, tables, list(range(64)))
+    assert kv.num_cached_blocks == 8  # four blocks in each table, none shared
     assert not set(tables[0].table) & set(tables[1].table)
-    assert kv_groups.cached_prefix(bm, tables, list(range(64)) + [1])[0] == tables[0].table
+    assert kv.cached_prefix(tables, list(range(64)) + [1])[0] == tables[0].table

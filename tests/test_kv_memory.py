@@ -136,7 +136,7 @@ def test_bytes_per_token_follow_the_bits(bits):
     engine = Engine(tiny_model("llama"), kv_budget_bytes=1 << 22, kv_bits=bits, kv_group_size=32)
     stats = engine.stats()
     assert stats["kv_bits"] == bits
-    per_token = engine.runner.kv_bytes / ((stats["num_blocks"] + 1) * stats["block_size"])
+    per_token = engine.runner.kv.nbytes / ((stats["num_blocks"] + 1) * stats["block_size"])
     full = 2 * 2 * 2 * 32 * 4  # layers x (K, V) x KV heads x head dim x float32
     expected = full if bits is None else full / 32 * bits + 2 * 2 * 2 * 2 * 4  # + a scale and bias per group
     assert per_token == expected
@@ -289,7 +289,7 @@ def test_the_auto_budget_is_what_the_device_leaves(memory_limit):
     model = tiny_model("llama")
     total = 0.5 * memory.device_memory()
     engine = Engine(model, kv_budget_bytes="auto", memory_fraction=0.5)
-    assert 0 < engine.kv_budget_bytes < total - mx.get_active_memory() + engine.runner.kv_bytes
+    assert 0 < engine.kv_budget_bytes < total - mx.get_active_memory() + engine.runner.kv.nbytes
     assert mx.get_memory_limit() <= total
     with pytest.raises(ValueError, match="memory_fraction must be in"):
         Engine(model, kv_budget_bytes="auto", memory_fraction=1.5)
@@ -361,7 +361,7 @@ def test_block_files_of_another_quantized_layout_are_never_read(tmp_path, kv_rea
     with pytest.warns(KVDiskCacheWarning, match=r"has tensors \['k\.0'.*not the \['k_rotated\.0'.*removed it"):
         got, engine = run(rotated=True, disk=True)
     assert got.num_disk_cached_tokens == 0 and got.token_ids == want.token_ids
-    assert engine.runner.block_layout()[0][0] == "k_rotated.0"
+    assert engine.runner.kv.block_layout()[0][0] == "k_rotated.0"
 
 
 @pytest.mark.parametrize("group_size", [32, 64, 128])

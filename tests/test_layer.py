@@ -59,3 +59,10 @@ def test_layers_share_block_tables_and_reject_bad_shapes():
         first(mx.zeros((3, 10)), seq_id=1)
     with pytest.raises(ValueError, match="multiple of num_kv_heads"):
         PagedAttentionLayer(num_heads=3, head_dim=8, manager=manager, num_kv_heads=2)
+
+
+def test_a_layer_must_match_the_heads_its_manager_was_made_for():
+    manager = BlockManager(num_blocks=16, num_heads=4, head_dim=16)
+    with pytest.raises(ValueError, match="made for 4 heads of 16, not 8 of 16"):
+        PagedAttentionLayer(num_heads=8, head_dim=16, manager=manager)
+    PagedAttentionLayer(num_heads=8, head_dim=16, manager=BlockManager(num_blocks=16))  # a manager of any heads

@@ -83,3 +83,29 @@ def test_python_m_runs_the_paged_mlx_commands():
     result = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "serve" in result.stdout and "Usage: python -m llm_paged_mlx" in result.stdout
+
+
+# What a newcomer can read in one sitting (issue S): the package's limits, in lines as ``ast`` counts them.
+MAX_MODULE_LINES, MAX_CLASS_LINES, MAX_FUNCTION_LINES = 500, 400, 60
+
+
+def oversized(path: Path) -> list[str]:
+    """The module itself, its classes and its functions (methods and nested ones too) past their limits."""
+    source = path.read_text()
+    found = [f"{path.name}: {source.count(chr(10))} lines"] if source.count("\n") > MAX_MODULE_LINES else []
+    for node in ast.walk(ast.parse(source)):
+        limit = {ast.ClassDef: MAX_CLASS_LINES, ast.FunctionDef: MAX_FUNCTION_LINES,
+                 ast.AsyncFunctionDef: MAX_FUNCTION_LINES}.get(type(node))  # fmt: skip
+        if limit is not None and node.end_lineno - node.lineno + 1 > limit:
+            found.append(f"{path.name}: {node.name} {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_oversized_code_is_found(tmp_path):
+    path = tmp_path / "long.py"
+    path.write_text("def f():\n" + "    x = 1\n" * MAX_FUNCTION_LINES + "\n\nclass C:\n    pass\n")
+    assert oversized(path) == [f"long.py: f {MAX_FUNCTION_LINES + 1} lines"]
+
+
+def test_no_module_class_or_function_is_past_its_limit():
+    assert [found for path in sorted(PACKAGE.rglob("*.py")) for found in oversized(path)] == []

@@ -13,11 +13,11 @@ from llm_paged_mlx.engine import model_check
 from llm_paged_mlx.engine.disk.store import KVDiskCache
 from llm_paged_mlx.engine.request import Request
 from llm_paged_mlx.engine.scheduler import ScheduledChunk
-from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk
+from llm_paged_mlx.kernels import AttentionKernel, AttentionPlan, PrefillChunk
 from llm_paged_mlx.kernels.dialect import CUDA
 from llm_paged_mlx.kernels.fused import FusedKernel
 from llm_paged_mlx.kernels.portable import PortableKernel, decode_attention
-from llm_paged_mlx.models import paged_cache
+from llm_paged_mlx.models import attention_hook, paged_cache
 from llm_paged_mlx.models.latent_shape import TILE_SCORE_BYTES, LatentShape, latent_shape, query_tile
 from llm_paged_mlx.models.adapt import check_model
 from llm_paged_mlx.models.paged_cache import PagedLatentCache
@@ -48,7 +48,7 @@ def test_greedy_tokens_match_mlx_lm_with_preemption_and_prefix_caching(name, mon
     model = tiny_mla(name)
     prompts = random_prompts(PROMPT_LENGTHS, seed=5)
     engine = Engine(model, block_size=16, num_blocks=60, max_num_batched_tokens=128)
-    assert all(layout.latent for layout in engine.runner.layouts) == (name in LATENT)
+    assert all(layout.latent for layout in engine.runner.spec.attention) == (name in LATENT)
     calls = {"attend": 0, "attend_sequence": 0}
     for method in calls:
         def counted(*args, _method=getattr(PagedLatentCache, method), _name=method):
@@ -70,9 +70,9 @@ def test_greedy_tokens_match_mlx_lm_with_preemption_and_prefix_caching(name, mon
 def test_a_latent_pool_holds_one_row_per_token_not_per_head():
     model = tiny_mla("deepseek_v3")  # 2 layers, 4 heads, latent 32 + RoPE 16, float32
     engine = Engine(model, num_blocks=16)
-    assert [type(c) for c in engine.runner.caches] == [PagedLatentCache] * 2
-    assert [c.arrays[0].shape for c in engine.runner.caches] == [(16 * 16, 48)] * 2
-    assert sum(layout.bytes_per_token() for layout in engine.runner.layouts) == 2 * 48 * 4
+    assert [type(c) for c in engine.runner.kv.caches] == [PagedLatentCache] * 2
+    assert [c.arrays[0].shape for c in engine.runner.kv.caches] == [(16 * 16, 48)] * 2
+    assert sum(layout.bytes_per_token() for layout in engine.runner.spec.attention) == 2 * 48 * 4
     args = model.args  # what a cache of full per-head K/V would hold
     full = 2 * args.num_attention_heads * (args.qk_nope_head_dim + args.qk_rope_head_dim + args.v_head_dim) * 4
     assert full / (2 * 48 * 4) == pytest.approx(4 * 64 / 48)
@@ -95,7 +95,7 @@ def test_latent_blocks_round_trip_through_the_disk_tier(tmp_path):
     first = Engine(model, num_blocks=64, kv_disk_cache=KVDiskCache(tmp_path, "tiny-mla"))
     want = first.generate([prompt], params)[0].token_ids
     first.disk.flush()
-    assert sorted(name for name, _, _ in first.runner.block_layout())[:2] == ["latent.0", "latent.1"]
+    assert sorted(name for name, _, _ in first.runner.kv.block_layout())[:2] == ["latent.0", "latent.1"]
     second = Engine(model, num_blocks=64, kv_disk_cache=KVDiskCache(tmp_path, "tiny-mla"))
     out = second.generate([prompt], params)[0]
     assert out.num_disk_cached_tokens == 64 and out.token_ids == want == reference(model, prompt, 10)
@@ -109,7 +109,7 @@ def test_quantized_latent_rows_generate_with_preemption_and_prefix_caching(bits,
     prompts = random_prompts([60, 90, 40, 75], seed=3)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
     roomy = Engine(model, num_blocks=200, kv_bits=bits, kv_group_size=32)
-    assert roomy.runner.caches[0].arrays[0].dtype == mx.uint32
+    assert roomy.runner.kv.caches[0].arrays[0].dtype == mx.uint32
     want = [o.token_ids for o in roomy.generate(prompts, params)]
     tight = Engine(model, num_blocks=14, kv_bits=bits, kv_group_size=32)
     assert [o.token_ids for o in tight.generate(prompts, params)] == want
@@ -140,7 +140,7 @@ def test_a_prompt_s_first_token_reads_no_quantized_latent(bits, rows, length):
 
     _, want = first()
     engine, got = first(kv_bits=bits, kv_group_size=32)
-    assert engine.runner.caches[0].rotated == (rows == "rotated")
+    assert engine.runner.kv.caches[0].rotated == (rows == "rotated")
     assert [t for t, _ in got] == [t for t, _ in want]
     assert max(abs(a - b) for (_, a), (_, b) in zip(got, want)) < 1e-4
 
@@ -184,8 +184,8 @@ def test_a_decompressed_chunk_attends_in_tiles_of_queries_that_fit_the_budget(mo
         return original(queries, *args, **kwargs)
 
     engine = Engine(model, num_blocks=32, max_num_batched_tokens=256)
-    original = paged_cache._original_sdpa
-    monkeypatch.setattr(paged_cache, "_original_sdpa", counted)  # once the engine has installed its hook
+    original = attention_hook.original_sdpa
+    monkeypatch.setattr(attention_hook, "original_sdpa", counted)  # once the engine has installed its hook
     monkeypatch.setattr(paged_cache, "PREFILL_ATTENTION_BYTES", 0)
     got = engine.generate([prompt], SamplingParams(max_tokens=8))[0].token_ids
     assert calls == [1] * 2 * 300
@@ -344,10 +344,10 @@ def test_one_kv_head_used_as_k_and_v_with_a_float_mask_is_not_taken_for_mla():
     model = tiny_model("llama", num_key_value_heads=1)
     for layer in model.model.layers:
         layer.self_attn = TiedKVAttention(layer.self_attn)
-    assert [layout.latent for layout in check_model(model)] == [False, False]
+    assert [layout.latent for layout in check_model(model).caches] == [False, False]
 
 
-class BareKernel:
+class BareKernel(AttentionKernel):
     """A plugin kernel with only the required interface: no ``latent_attention``, not ``windowed``."""
 
     name = "bare"

@@ -10,7 +10,7 @@ from test_engine import random_prompts, reference
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import model_check
 from llm_paged_mlx.kernels.portable import PortableKernel
-from llm_paged_mlx.models import paged_cache
+from llm_paged_mlx.models import attention_hook
 
 
 @pytest.fixture(autouse=True)
@@ -62,7 +62,7 @@ def test_exact_models_pass_and_leave_the_engine_as_new():
     model = tiny_model("qwen3")
     engine = Engine(model, num_blocks=16)
     assert engine.stats()["free_blocks"] == 15
-    assert all(cache.plan is None for cache in engine.runner.caches)
+    assert all(cache.plan is None for cache in engine.runner.kv.caches)
     prompts = random_prompts([30, 7], seed=2)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=12))
     assert [o.token_ids for o in outputs] == [reference(model, p, 12) for p in prompts]
@@ -236,8 +236,8 @@ def test_a_model_whose_routing_flips_on_rounding_is_served_when_float32_attentio
 
     def flipping(runner, *args):
         rows = paged(runner, *args)
-        passes.append(paged_cache._float32_attention)
-        if not paged_cache._float32_attention:
+        passes.append(attention_hook.in_float32())
+        if not attention_hook.in_float32():
             rows[1] = rows[1][::-1]
         return rows
 
@@ -271,7 +271,7 @@ def test_float32_attention_hands_the_kernel_float32_queries_and_pools(monkeypatc
     engine = Engine(model, num_blocks=16, attention_kernel="portable")
     monkeypatch.setattr(PortableKernel, "__call__", recording)
     prompt = random_prompts([20], seed=6)[0]
-    with paged_cache.float32_attention():
+    with attention_hook.float32_attention():
         engine.generate([prompt], SamplingParams(max_tokens=1))
     assert seen and set(seen) == {(mx.float32,) * 3}
     seen.clear()

@@ -33,7 +33,7 @@ def test_greedy_tokens_match_mlx_lm_with_preemption(arch):
     model = hybrid(arch)
     prompts = random_prompts(LENGTHS, seed=8)
     engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=64, max_num_seqs=8)
-    assert engine.runner.states
+    assert engine.runner.kv.states
     got = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference(model, prompt, 40), f"prompt of {len(prompt)} tokens"
@@ -69,7 +69,7 @@ def test_prefix_caching_is_off_and_the_state_counts_in_the_budget():
     model = hybrid()
     engine = Engine(model, block_size=16, kv_budget_bytes=8 * 1024**2, max_num_seqs=4)
     stats = engine.stats()
-    per_sequence = sum(layout.bytes_per_sequence for layout in engine.runner.state_layouts)
+    per_sequence = sum(layout.bytes_per_sequence for layout in engine.runner.spec.states)
     assert stats["prefix_caching"] is False
     assert stats["recurrent_state_bytes"] == 4 * per_sequence
     assert engine.kv_budget_bytes <= 8 * 1024**2
@@ -81,7 +81,7 @@ def test_prefix_caching_is_off_and_the_state_counts_in_the_budget():
 
 def test_by_default_the_state_takes_at_most_half_the_budget():
     model = hybrid()
-    per_sequence = sum(layout.bytes_per_sequence for layout in Engine(model, num_blocks=8).runner.state_layouts)
+    per_sequence = sum(layout.bytes_per_sequence for layout in Engine(model, num_blocks=8).runner.spec.states)
     budget = 20 * per_sequence
     stats = Engine(model, kv_budget_bytes=budget).stats()
     assert stats["max_num_seqs"] == 10 and stats["recurrent_state_bytes"] == 10 * per_sequence

@@ -3,6 +3,7 @@
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models import llama
 from models import tiny_any, tiny_model
 from test_engine import collect, random_prompts, reference, run_staggered
 
@@ -13,6 +14,7 @@ from llm_paged_mlx.engine.runner import ModelRunner, padded_size
 from llm_paged_mlx.engine.scheduler import ScheduledChunk
 from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.portable import PortableKernel
+from llm_paged_mlx.models.adapt import check_model
 
 LENGTHS = [1, 3, 15, 16, 17, 40, 90, 5, 9, 33, 64]  # 11 rows decode together: 12 with padding
 
@@ -99,10 +101,10 @@ def test_steps_update_the_pools_in_place(compile_steps):
     for prompt in random_prompts([20, 30, 40], seed=6):
         engine.add_request(prompt, SamplingParams(max_tokens=30))
     engine.step()
-    addresses = [buffer_address(pool) for pool in engine.runner.pools()]
+    addresses = [buffer_address(pool) for pool in engine.runner.kv.arrays()]
     for _ in range(5):
         engine.step()
-    assert [buffer_address(pool) for pool in engine.runner.pools()] == addresses
+    assert [buffer_address(pool) for pool in engine.runner.kv.arrays()] == addresses
 
 
 def test_fused_kernels_take_short_prefill_chunks_as_rows():
@@ -153,7 +155,7 @@ def test_a_failing_step_leaves_the_engine_usable(monkeypatch, run_ahead):
     with pytest.raises(RuntimeError, match="kernel failed"):
         engine.step()  # decode: position 16 takes a new block, given back when the step fails
     monkeypatch.setattr(PortableKernel, "__call__", attend)
-    pools = engine.runner.pools()
+    pools = engine.runner.kv.arrays()
     mx.eval(pools)  # placeholders of a trace could not be evaluated
     assert all(p.shape == pools[0].shape for p in pools)
     assert engine.stats()["free_blocks"] == free_before  # the slots taken for the failed step are back
@@ -172,16 +174,16 @@ def test_a_rollback_writes_back_the_protected_blocks(compile_steps):
     engine = Engine(tiny_model("llama"), num_blocks=16, compile_steps=compile_steps)
     engine.generate(random_prompts([40], seed=9), SamplingParams(max_tokens=4))
     runner = engine.runner
-    before = [np.array(pool) for pool in runner.pools()]
-    runner.begin()
-    runner.protect([1, 2])
-    runner.write_blocks([1, 2], [mx.ones_like(a) for a in runner.read_blocks([1, 2])])
+    before = [np.array(pool) for pool in runner.kv.arrays()]
+    runner.kv.begin()
+    runner.kv.protect([1, 2])
+    runner.kv.write_blocks([1, 2], [mx.ones_like(a) for a in runner.kv.read_blocks([1, 2])])
     prompt = random_prompts([20], seed=10)[0]
     request = Request(-1, prompt, SamplingParams(), max_total_tokens=64)
     request.blocks.table = [1, 2, 3]
     runner.forward([ScheduledChunk(request, len(prompt), [list(range(16, 16 + len(prompt)))])])
-    runner.rollback()
-    assert all(np.array_equal(np.array(pool), old) for pool, old in zip(runner.pools(), before))
+    runner.kv.rollback()
+    assert all(np.array_equal(np.array(pool), old) for pool, old in zip(runner.kv.arrays(), before))
 
 
 def test_kernels_write_in_place_only_in_compiled_steps_whose_layers_own_their_pools(monkeypatch):
@@ -209,3 +211,17 @@ def test_kernels_write_in_place_only_in_compiled_steps_whose_layers_own_their_po
     shared = tiny_any("gemma3_text", sliding_window=16)  # a window layer and a full one share pool arrays
     Engine(shared, num_blocks=64).generate(prompts, SamplingParams(max_tokens=4))
     assert plans == []
+
+
+def test_only_mlx_lm_s_own_body_then_head_models_project_sampled_rows_only():
+    """Only where ``Model.__call__`` is mlx-lm's "body, then head" may a step leave out the rows it does not
+    sample: a subclass may do more after the head (the tools tests' scripted model does)."""
+    assert check_model(tiny_model("llama")).projects_sampled_rows_only
+    assert check_model(tiny_model("qwen3")).projects_sampled_rows_only
+
+    class Subclassed(llama.Model):
+        pass
+
+    model = tiny_model("llama")
+    assert not check_model(Subclassed(model.args)).projects_sampled_rows_only
+    assert not check_model(tiny_any("gemma2")).projects_sampled_rows_only  # softcaps its logits after the head

@@ -4,6 +4,7 @@ that keep it from starving, priority preemption on admission, aging, and the pre
 import itertools
 
 from llm_paged_mlx.engine.block_manager import BlockManager
+from llm_paged_mlx.engine.kv_coordinator import KVCoordinator
 from llm_paged_mlx.engine.request import Request, SamplingParams, Status
 from llm_paged_mlx.engine.scheduler import MAX_BYPASSES, MAX_PREEMPTIONS, FCFSPolicy, PriorityPolicy, Scheduler
 
@@ -16,7 +17,7 @@ def request(num_tokens, priority=0):
 
 
 def scheduler(num_blocks, policy=None, max_num_seqs=64, budget=1000):
-    return Scheduler(BlockManager(num_blocks, BLOCK), policy or FCFSPolicy(), max_num_seqs, budget)
+    return Scheduler(KVCoordinator(BlockManager(num_blocks, BLOCK)), policy or FCFSPolicy(), max_num_seqs, budget)
 
 
 def step(sched):

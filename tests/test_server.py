@@ -32,7 +32,7 @@ from llm_paged_mlx import Engine, SamplingParams, engines
 from llm_paged_mlx.catalog import CACHE_ENV
 from llm_paged_mlx.engine.disk.admin import block_files
 from llm_paged_mlx.engine.loop import EXIT_WAIT_S, EngineLoop, Submission, exit_at_once
-from llm_paged_mlx.options import PagedOptions, engine_options
+from llm_paged_mlx.options import PagedOptions, serving_config
 from llm_paged_mlx.server import ServedModel, create_app
 from llm_paged_mlx.server.metrics import ServerMetrics
 
@@ -69,7 +69,7 @@ def served(tmp_path_factory):
     os.environ.setdefault("LLM_USER_PATH", str(tmp_path_factory.mktemp("llm")))
     folder = str(smollm2_dir())
     loop = engines.engine_loop(MODEL, folder, lambda: folder)
-    config = engine_options(PagedOptions(kv_budget="64MB", kv_disk_budget=0))
+    config = serving_config(PagedOptions(kv_budget="64MB", kv_disk_budget=0))
     loop.prepare(config).result()
     return ServedModel(MODEL, loop, config, aliases=("smol",), defaults={"max_tokens": 64}, max_tokens_limit=512)
 

@@ -36,7 +36,7 @@ def test_greedy_tokens_match_mlx_lm_past_the_window_with_preemption(arch):
     model = tiny_any(arch, **MODELS[arch])
     prompts = random_prompts([3, 31, 32, 33, 70, 150, 250, 300], seed=8)
     engine = Engine(model, block_size=16, num_blocks=64, max_num_batched_tokens=64)
-    assert WINDOW in {layout.window for layout in engine.runner.layouts}
+    assert WINDOW in {layout.window for layout in engine.runner.spec.attention}
     got = run_staggered(engine, prompts, SamplingParams(max_tokens=40), first=6)
     for prompt, tokens in zip(prompts, got):
         assert tokens == reference(model, prompt, 40), f"prompt of {len(prompt)} tokens"

@@ -2,7 +2,7 @@
 
 Engines with a pool too small for the workload preempt and swap; each request must then get exactly
 the tokens of the same engine with a pool big enough never to preempt. Unit tests drive the policies
-over a fake runner whose arrays have every dtype a pool can have (quantized pools hold uint32).
+over fake pools whose arrays have every dtype a pool can have (quantized pools hold uint32).
 """
 
 import errno
@@ -192,7 +192,7 @@ def test_past_the_disk_budget_requests_are_recomputed(tmp_path):
 
 
 def test_the_disk_budget_bounds_what_is_kept_at_once(tmp_path):
-    policy, runner = DiskSwapPolicy(tmp_path), FakeRunner()
+    policy, runner = DiskSwapPolicy(tmp_path), FakePools()
     block = sum(a.nbytes for a in runner.read_blocks([0]))
     policy.budget_bytes = 3 * block
     first = policy.swap_out([0, 1], runner)
@@ -279,10 +279,10 @@ def test_an_aborted_swapped_request_s_file_goes(tmp_path):
     assert_no_files(engine.swap.policy)
 
 
-# -- the policies over a fake runner --------------------------------------------------------------
+# -- the policies over fake pools --------------------------------------------------------------
 
 
-class FakeRunner:
+class FakePools:
     """Pools of every dtype a swap policy must keep bit for bit (uint32: packed quantized values)."""
 
     block_size = 16
@@ -315,7 +315,7 @@ class FakeRunner:
 @pytest.mark.parametrize("name", ["cpu", "disk", "disk from file", "auto cpu", "auto disk"])
 def test_policies_keep_arrays_of_any_dtype_bit_for_bit(name, tmp_path):
     policy, settle = POLICIES[name](tmp_path)
-    runner = FakeRunner()
+    runner = FakePools()
     before = runner.bits([1, 2])
     handle = policy.swap_out([1, 2], runner)
     file = disk_file(handle)
@@ -343,7 +343,7 @@ def test_a_swap_in_while_the_write_is_pending_uses_the_copy_in_memory(tmp_path, 
         write(file, array)
 
     monkeypatch.setattr(swap, "_write_array", slow_write)
-    policy, runner = DiskSwapPolicy(tmp_path), FakeRunner()
+    policy, runner = DiskSwapPolicy(tmp_path), FakePools()
     before = runner.bits([0])
     writing = policy.swap_out([0], runner)
     queued = policy.swap_out([1], runner)  # waits behind the first write
@@ -359,7 +359,7 @@ def test_a_swap_in_while_the_write_is_pending_uses_the_copy_in_memory(tmp_path, 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "longer"])
 def test_a_damaged_swap_file_is_an_error_naming_it(damage, tmp_path):
-    policy, runner = DiskSwapPolicy(tmp_path), FakeRunner()
+    policy, runner = DiskSwapPolicy(tmp_path), FakePools()
     handle = policy.swap_out([0, 1], runner)
     policy.wait()
     if damage == "missing":
@@ -377,7 +377,7 @@ def test_the_exit_hook_removes_the_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(swap.atexit, "register", hooks.append)
     default, chosen = DiskSwapPolicy(), DiskSwapPolicy(tmp_path)
     assert hooks == []  # nothing made before the first swap-out
-    runner = FakeRunner()
+    runner = FakePools()
     handles = [policy.swap_out([0], runner) for policy in (default, chosen)]
     assert hooks == [default.close, chosen.close]
     assert default.directory.name.startswith("llm-paged-mlx-swap-") and chosen.directory.parent == tmp_path
@@ -411,7 +411,7 @@ def test_the_exit_hook_removes_the_folder(tmp_path, monkeypatch):
 def test_auto_picks_a_tier_by_length_and_memory(blocks, unified, available, tier, windows, monkeypatch):
     monkeypatch.setattr(swap, "unified_memory", lambda: unified)
     monkeypatch.setattr(swap, "available_ram", lambda: available)
-    runner = FakeRunner(num_blocks=50, windows=windows)
+    runner = FakePools(num_blocks=50, windows=windows)
     policy = AutoSwapPolicy()
     assert policy.choose(list(range(blocks)), runner) == tier
     handle = policy.swap_out(list(range(blocks)), runner)
@@ -424,7 +424,7 @@ def test_auto_picks_a_tier_by_length_and_memory(blocks, unified, available, tier
 
 
 def test_auto_sends_each_handle_back_to_the_tier_that_made_it(tmp_path):
-    policy, runner = AutoSwapPolicy(), FakeRunner()
+    policy, runner = AutoSwapPolicy(), FakePools()
     policy.tiers["disk"] = DiskSwapPolicy(tmp_path)
     policy.tier = "cpu"
     in_memory = policy.swap_out([0], runner)

@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerFast
 
 from llm_paged_mlx import chat, engines
 from llm_paged_mlx.models import loading
-from llm_paged_mlx.options import PagedOptions, engine_options
+from llm_paged_mlx.options import PagedOptions, serving_config
 from llm_paged_mlx.server import ServedModel, create_app
 from llm_paged_mlx.tool_calls import ToolCall, ToolCallReader
 
@@ -150,7 +150,6 @@ def load_scripted_from(folder, monkeypatch):
             return model, tokenizer
         scripted = ScriptedLlama(model.args)
         scripted.load_weights(tree_flatten(model.parameters()))
-        scripted.model_type = "scripted-llama"  # not a model whose steps project only sampled rows
         scripted.script = script
         return scripted, tokenizer
 
@@ -212,7 +211,7 @@ def client(tmp_path, monkeypatch):
     load_scripted_from(folder, monkeypatch)
     monkeypatch.setenv("LLM_USER_PATH", str(tmp_path / "llm"))
     loop = engines.engine_loop("scripted-server", str(folder), lambda: str(folder))
-    config = engine_options(PagedOptions(kv_budget="16MB", kv_disk_budget=0, block_size=4))
+    config = serving_config(PagedOptions(kv_budget="16MB", kv_disk_budget=0, block_size=4))
     running = Running(create_app(ServedModel("scripted", loop, config)))
     yield openai.OpenAI(base_url=running.url + "/v1", api_key="none")
     running.stop()

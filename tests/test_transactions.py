@@ -17,6 +17,7 @@ from test_engine import random_prompts, reference
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine import step as step_module
+from llm_paged_mlx.engine.kv_pools import KVPools
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.engine.scheduler import FCFSPolicy
 from llm_paged_mlx.engine.swap import CPUSwapPolicy
@@ -167,7 +168,8 @@ def test_ctrl_c_at_any_moment_of_a_step_loses_nothing(monkeypatch, decode_launch
         engine.steps: ["wait", "apply", "launch", "_prepare"],
         engine.scheduler: ["schedule", "commit", "rollback", "remove"],
         engine.blocks: ["append_slots", "allocate_prefix", "cache_full_blocks", "free"],
-        engine.runner: ["forward", "launch", "read_blocks", "write_blocks"],
+        engine.runner: ["forward", "launch"],
+        engine.runner.kv: ["read_blocks", "write_blocks"],
     }
     for owner, names in points.items():
         for name in names:
@@ -197,8 +199,8 @@ def test_a_failed_step_that_overwrote_cached_blocks_takes_them_out_of_the_cache(
     assert engine.generate([first], params)[0].token_ids == reference(model, first, 6)
     assert engine.stats()["cached_blocks"] >= 4
     protected = []
-    real_protect = ModelRunner.protect
-    monkeypatch.setattr(ModelRunner, "protect", lambda runner, blocks: protected.extend(blocks) or real_protect(runner, blocks))
+    real_protect = KVPools.protect
+    monkeypatch.setattr(KVPools, "protect", lambda pools, blocks: protected.extend(blocks) or real_protect(pools, blocks))
     Injector(monkeypatch, step_module, "sample", [1])
     with pytest.raises(Fault):
         engine.generate([second], params)

@@ -21,6 +21,7 @@ they were at ``begin()``: an engine step that fails before it runs leaves no
 trace in the books.
 """
 
+import dataclasses
 import hashlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -51,19 +52,30 @@ class Block:
 
 @dataclass
 class SequenceBlocks:
-    """The blocks one sequence holds, and the chain hashes of its full blocks of tokens.
-
-    The table of layers with a ``window`` returns the blocks that no query to
-    come can reach (``release_passed``): their entries become the null block.
-    ``root`` is what the first block's hash follows (see ``engine.kv_groups``).
-    """
+    """The blocks one sequence holds for layers that attend to its whole context, and the chain hashes of
+    its full blocks of tokens. ``root`` is what the first block's hash follows (see ``engine.kv_groups``)."""
 
     table: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # block i's chain hash, computed as far as needed
     num_cached: int = 0  # leading blocks found in, or entered into, the prefix cache
-    window: Optional[int] = None
     root: Optional[bytes] = None
-    live_from: int = 0  # entries before it are null: blocks the window passed
+    live_from: int = 0  # entries before it are null: blocks a window passed
+
+    def passed(self, position: int, block_size: int) -> int:
+        """How many of the table's first blocks no query at ``position`` or later can reach: none."""
+        return 0
+
+
+@dataclass
+class WindowedBlocks(SequenceBlocks):
+    """The blocks of a sequence for layers that attend to its last ``window`` tokens: the table returns
+    the blocks no query to come can reach (``BlockManager.release_passed``), their entries becoming the
+    null block, and its prefix-cache hits may skip blocks its window does not need."""
+
+    window: int = 1
+
+    def passed(self, position: int, block_size: int) -> int:
+        return max(0, position - self.window + 1) // block_size
 
 
 def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
@@ -146,7 +158,7 @@ class BlockManager:
                 # The hash finds a candidate; its tokens and its parent's hash must match too.
                 parent = seq.hashes[index - 1] if index else None
                 if block.block_id == NULL_BLOCK or block.token_ids != tokens or block.parent_hash != parent:
-                    if seq.window is None:
+                    if not isinstance(seq, WindowedBlocks):
                         break
                     found.append(NULL_BLOCK)
                 else:
@@ -157,13 +169,9 @@ class BlockManager:
         """How many of the first ``length`` blocks of ``found`` (from ``cached_prefix``) the sequence can start
         with: all there are, or for a window as many as leave the blocks the next query reaches all there."""
         length = min(length, len(found))
-        while length and NULL_BLOCK in found[self.passed(seq, length * self.block_size) : length]:
+        while length and NULL_BLOCK in found[seq.passed(length * self.block_size, self.block_size) : length]:
             length -= 1
         return length
-
-    def passed(self, seq: SequenceBlocks, position: int) -> int:
-        """How many of the table's first blocks no query at ``position`` or later can reach."""
-        return 0 if seq.window is None else max(0, position - seq.window + 1) // self.block_size
 
     def allocate_prefix(self, seq: SequenceBlocks, token_ids: Sequence[int], found: Optional[list[int]] = None) -> int:
         """Start ``seq`` with the blocks of ``cached_prefix`` (or those ``found`` of them; null where a window
@@ -176,13 +184,13 @@ class BlockManager:
                 self._ref(block_id)
             seq.table.append(block_id)
         seq.num_cached = len(seq.table)
-        seq.live_from = self.passed(seq, len(seq.table) * self.block_size)
+        seq.live_from = seq.passed(len(seq.table) * self.block_size, self.block_size)
         return len(seq.table) * self.block_size
 
     def release_passed(self, seq: SequenceBlocks, position: int) -> None:
         """Return the windowed sequence's blocks that no query at ``position`` or later can reach; a shorter
         table (a sequence that starts there) gets null entries up to its first live block."""
-        first = self.passed(seq, position)
+        first = seq.passed(position, self.block_size)
         if first <= seq.live_from:
             return
         self._save_sequence(seq)
@@ -281,7 +289,7 @@ class BlockManager:
         for block_id in seq.table:
             if block_id != NULL_BLOCK:
                 self._ref(block_id)
-        return SequenceBlocks(list(seq.table), list(seq.hashes), seq.num_cached, seq.window, seq.root, seq.live_from)
+        return dataclasses.replace(seq, table=list(seq.table), hashes=list(seq.hashes))
 
     def free(self, seq: Union[SequenceBlocks, Hashable]) -> None:
         """Return a sequence's blocks (it, or its name); the tail is evicted first, the cached prefix last."""
@@ -448,7 +456,7 @@ class BlockManager:
         """
         if self._journal is not None and id(seq) not in self._journal.sequences:
             table = seq.table
-            entries = None if seq.window is None else list(table)
+            entries = list(table) if isinstance(seq, WindowedBlocks) else None
             state = (seq, table, len(table), table[-1] if table else None, seq.num_cached, len(seq.hashes))
             self._journal.sequences[id(seq)] = (*state, entries, seq.live_from)
 

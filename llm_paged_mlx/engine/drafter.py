@@ -19,13 +19,14 @@ from typing import Optional
 
 import mlx.core as mx
 
-from .block_manager import BlockManager
+from .kv_coordinator import KVCoordinator
+from .kv_pools import KVPools
 from .runner import ModelRunner
 from .scheduler import ScheduledChunk
 
 
 class Drafter:
-    def __init__(self, runner: ModelRunner, blocks: BlockManager):
+    def __init__(self, runner: ModelRunner, blocks: KVCoordinator):
         """``runner``: the draft model's, over pools of as many blocks of the same size as the target's, whose
         slots ``blocks`` gives."""
         self.runner, self.blocks = runner, blocks
@@ -70,7 +71,7 @@ class Drafter:
         for chunk, gap in gaps:
             for offset in range(-gap, 0, size):
                 count = min(size, -offset)
-                slots = [self.blocks.slots(table, chunk.start + offset, count) for table in chunk.request.tables]
+                slots = self.blocks.slots(chunk.request.tables, chunk.start + offset, count)
                 pieces.append(ScheduledChunk(chunk.request, count, slots, offset=offset))
         calls, tokens = [[]], 0
         # Longest first (a request's pieces keep their order): a call of single rows, which a GPU writes in
@@ -87,7 +88,7 @@ class Drafter:
 class SharedBlocks:
     """The target's pools and the draft model's as one for swap policies: a block's K/V are both models'."""
 
-    def __init__(self, target: ModelRunner, draft: ModelRunner):
+    def __init__(self, target: KVPools, draft: KVPools):
         self.target, self.draft = target, draft
         self.groups, self.block_size = target.groups, target.block_size
 
@@ -95,6 +96,6 @@ class SharedBlocks:
         return self.target.read_blocks(blocks) + self.draft.read_blocks(blocks)
 
     def write_blocks(self, blocks: list[int], data: list[mx.array]) -> None:
-        split = len(self.target.pools())
+        split = len(self.target.arrays())
         self.target.write_blocks(blocks, data[:split])
         self.draft.write_blocks(blocks, data[split:])

@@ -10,25 +10,22 @@ import mlx.core as mx
 from .. import plugins
 from ..errors import one_line
 from ..kernels import select_kernel
-from ..models.merged_projections import merge_projections
-from ..models.adapt import check_model, model_config
-from ..models.paged_cache import LayerLayout
-from ..models.quantized_rows import fold_quantized_rows
-from ..models.state_cache import StateLayout
-from ..parallel.collectives import check_same_options, shard_model
+from ..models.adapt import adapt_model, check_model
+from ..parallel.collectives import check_same_config, shard_model
 from .block_manager import BlockManager
+from .kv_coordinator import KVCoordinator
 from .checks import check_group, check_kernel, check_speculation
+from .config import EngineConfig
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
-from .memory import DEFAULT_MEMORY_FRACTION, format_size
+from .memory import format_size
 from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob, joined, take_token
 from .request import Request, SamplingParams, Status
 from .runner import ModelRunner, attention_groups
 from .scheduler import Scheduler
 from .sizing import size_pools
-from .speculative import DEFAULT_MAX_BATCH
 from .step import LaunchedStepFailed, StepPipeline
 from .swap import discard
 
@@ -36,39 +33,25 @@ Prompt = Union[str, Sequence[int]]
 
 
 class Engine:
-    """A paged-KV engine over an unmodified mlx-lm model.
+    """A paged-KV engine over an unmodified mlx-lm model, built with an ``EngineConfig`` (or its fields as
+    keyword arguments).
 
-    The KV pool has ``num_blocks`` blocks of ``block_size`` tokens, or as many
-    as fit in ``kv_budget_bytes`` (2 GiB when neither is given; ``"auto"``: the
-    ``memory_fraction`` of the device's memory that the weights and a step's
-    activations leave, see ``engine.memory``). The pools grow to that size as
-    requests need blocks. ``kv_bits`` (8 or 4) stores K/V quantized in groups
-    of ``kv_group_size`` values (``kernels.quantized``): for a bf16 model,
-    1.88x or 3.56x the tokens in the same memory at the default group size.
     ``tokenizer=None`` means prompts are token ids and outputs carry no text.
-    ``kv_disk_cache`` adds a disk tier to the prefix cache: finished requests'
-    full blocks are saved there and later prompts (in this or another process)
-    read them back instead of computing them. ``compile_steps`` runs steps
-    whose tokens are all single-query rows through ``mx.compile`` (see
-    ``runner``); it needs the kernel to be ``compilable``. ``verify_model``
-    first checks that the paged path gives mlx-lm's logits for this model
-    (``engine.model_check``; a ValueError refuses it), once per configuration,
-    or across processes with ``verdict_file``. An engine is driven from one
-    thread (MLX streams belong to the thread that made them). It adapts the
-    model in place, with the same results for mlx-lm: attention calls go
-    through a hook that leaves other caches to mlx-lm, quantized linear
-    layers multiply a step's rows as one matrix (``models.quantized_rows``),
-    and on a GPU projections that read the same input run as one product
-    (``models.merged_projections``: load the model again to train, convert or
-    shard it).
+    ``kv_disk_cache`` (``engine.disk``) adds a disk tier to the prefix cache:
+    finished requests' full blocks are saved there and later prompts (in this or
+    another process) read them back instead of computing them. ``verdict_file``
+    keeps the model check's verdicts across processes. An engine is driven from
+    one thread (MLX streams belong to the thread that made them). It adapts the
+    model in place, with the same results for mlx-lm (``models.adapt.adapt_model``).
 
     Models with recurrent layers (hybrids such as Qwen3.5) keep each running
-    sequence's state beside its blocks (``models.state_cache``); the state of
-    ``max_num_seqs`` sequences counts in the budget (``max_num_seqs`` is 64
-    unless given, or for these models as many as half the budget holds the
-    state of). A preempted sequence's state is kept in host memory with its
-    K/V, or computed again with them. Prefix caching and its disk tier are off
-    for them (a state is not kept per block): ``stats()`` says so.
+    sequence's state beside its blocks (``models.state_cache``), counted in the
+    budget; a preempted sequence's state is kept in host memory with its K/V, or
+    computed again with them. Prefix caching and its disk tier are off for them
+    (a state is not kept per block): ``stats()`` says so. Models with
+    sliding-window layers keep a block table per group of layers
+    (``engine.kv_groups``): a windowed group returns the blocks its window has
+    passed. The disk tier is off for them (it keeps one table per prompt).
 
     ``tensor_parallel``, a group of processes from ``mx.distributed.init()``,
     shards the model over them with mlx-lm's ``Model.shard`` (see
@@ -83,111 +66,57 @@ class Engine:
     the engine raises that error at every later step, rather than compute
     again alone.
 
-    Models with sliding-window layers keep a block table per group of layers
-    (``engine.kv_groups``): a windowed group returns the blocks its window has
-    passed. The disk tier is off for them (it keeps one table per prompt).
-
-    ``speculative="ngram"`` (prompt lookup) or ``draft_model`` (an mlx-lm model
-    of the same vocabulary) drafts up to ``num_speculative_tokens`` tokens a step
-    that the step verifies, for at most ``speculative_max_batch`` requests.
+    ``draft_model`` (an mlx-lm model of the same vocabulary) drafts tokens that
+    steps verify (``engine.drafter``), as ``speculative="ngram"`` does by prompt lookup.
     """
 
-    def __init__(
-        self,
-        model,
-        tokenizer=None,
-        *,
-        block_size: int = 16,
-        num_blocks: Optional[int] = None,
-        kv_budget_bytes: Union[int, str, None] = None,
-        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
-        kv_bits: Optional[int] = None,
-        kv_group_size: int = 64,
-        max_num_seqs: Optional[int] = None,
-        max_num_batched_tokens: int = 2048,
-        scheduler: str = "fcfs",
-        attention_kernel: str = "auto",
-        enable_prefix_caching: bool = True,
-        swap_policy: str = "auto",
-        kv_disk_cache: Optional[KVDiskCache] = None,
-        compile_steps: bool = True,
-        verify_model: bool = True,
-        verdict_file=None,
-        tensor_parallel: Optional[mx.distributed.Group] = None,
-        speculative: Optional[str] = None,
-        num_speculative_tokens: int = 4,
-        speculative_max_batch: int = DEFAULT_MAX_BATCH,
-        draft_model=None,
-    ):
-        if (max_num_seqs is not None and max_num_seqs < 1) or max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+    def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None, *,
+                 kv_disk_cache: Optional[KVDiskCache] = None, verdict_file=None,
+                 tensor_parallel: Optional[mx.distributed.Group] = None, draft_model=None, **options):  # fmt: skip
+        config = (config or EngineConfig()).replace(**options)
         self.group = tensor_parallel if tensor_parallel is not None and tensor_parallel.size() > 1 else None
-        swap_policy = check_group(model, self.group, kv_disk_cache, scheduler, swap_policy)
-        if self.group is not None:
-            verdict_file = None  # each rank checks the model, and so takes part in the check's collectives
-        policy = plugins.lookup("scheduler", plugins.schedulers(), scheduler)()
+        swap_policy = check_group(model, self.group, kv_disk_cache, config.scheduler, config.swap_policy)
+        policy = plugins.lookup("scheduler", plugins.schedulers(), config.scheduler)()
         swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
-        self.kernel = select_kernel(attention_kernel)
-        if kv_bits is not None and not getattr(self.kernel, "quantized", False):
+        self.kernel = select_kernel(config.attention_kernel)
+        if config.kv_bits is not None and not self.kernel.quantized:
             raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
-        if kv_disk_cache is not None and not enable_prefix_caching:
+        if kv_disk_cache is not None and not config.enable_prefix_caching:
             raise ValueError("kv_disk_cache needs enable_prefix_caching")
         if self.group is not None:
-            options = dict(
-                block_size=block_size, num_blocks=num_blocks, kv_budget_bytes=kv_budget_bytes,
-                memory_fraction=memory_fraction, kv_bits=kv_bits, kv_group_size=kv_group_size,
-                max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, scheduler=scheduler,
-                attention_kernel=attention_kernel, enable_prefix_caching=enable_prefix_caching,
-                swap_policy=swap_policy, compile_steps=compile_steps, verify_model=verify_model,
-                speculative=speculative, num_speculative_tokens=num_speculative_tokens,
-                speculative_max_batch=speculative_max_batch,
-            )  # fmt: skip
-            check_same_options(options, self.group)
+            verdict_file = None  # each rank checks the model, and so takes part in the check's collectives
+            check_same_config(config, self.group)
             shard_model(model, self.group)
-        all_layouts = check_model(model)
-        layouts = [layout for layout in all_layouts if isinstance(layout, LayerLayout)]
-        state_layouts = [layout for layout in all_layouts if isinstance(layout, StateLayout)]
-        groups = attention_groups(layouts)
-        if state_layouts:
-            enable_prefix_caching, kv_disk_cache = False, None
-        if groups.bounded:  # the disk tier keeps a finished request's blocks of one table
+        self.spec = spec = check_model(model)
+        groups = attention_groups(spec.attention)
+        if spec.states:
+            config = config.replace(enable_prefix_caching=False)
+        if spec.states or groups.bounded:  # the disk tier keeps a finished request's blocks of one table
             kv_disk_cache = None
-        check_kernel(self.kernel, model, layouts)
-        speculator, draft_layouts = check_speculation(speculative, num_speculative_tokens, speculative_max_batch,
-                                                      draft_model, model, layouts, state_layouts, kv_bits, self.group)
-        for adapted in [model] + ([draft_model] if draft_layouts else []):
-            fold_quantized_rows(adapted)
-            if mx.default_device() == mx.gpu:
-                merge_projections(adapted)
-        self.model = model
-        self.tokenizer = tokenizer
-        self.grammars = Grammars(tokenizer) if tokenizer is not None else None
-        self.pool = size_pools(
-            model, layouts, state_layouts, groups, block_size=block_size, num_blocks=num_blocks,
-            kv_budget_bytes=kv_budget_bytes, memory_fraction=memory_fraction, kv_bits=kv_bits,
-            kv_group_size=kv_group_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            group=self.group, draft_layouts=draft_layouts,
-        )  # fmt: skip
+        check_kernel(self.kernel, spec)
+        speculator, draft_spec = check_speculation(config, draft_model, spec, self.group)
+        adapt_model(model)
+        if draft_spec:
+            adapt_model(draft_model)
+        self.config, self.model, self.tokenizer, self.disk = config, model, tokenizer, kv_disk_cache
+        self.pool = size_pools(model, spec, groups, config, self.group, draft_spec)
         initial = self.pool.initial_blocks
-        self.blocks = BlockManager(initial, block_size, enable_prefix_caching=enable_prefix_caching)
-        self.runner = ModelRunner(
-            model, all_layouts, initial, block_size, self.kernel, compile_steps, kv_bits, kv_group_size,
-            max_num_batched_tokens,
-        )
-        draft_runner = ModelRunner(draft_model, draft_layouts, initial, block_size, self.kernel, compile_steps,
-                                   chunk_tokens=max_num_batched_tokens) if draft_layouts else None  # fmt: skip
-        if verify_model:
+        manager = BlockManager(initial, config.block_size, enable_prefix_caching=config.enable_prefix_caching)
+        self.blocks = KVCoordinator(manager, groups)
+        self.runner = ModelRunner(model, spec, initial, self.kernel, config)
+        draft_runner = ModelRunner(draft_model, draft_spec, initial, self.kernel,
+                                   config.replace(kv_bits=None)) if draft_spec else None  # fmt: skip
+        if config.verify_model:
             check_against_mlx_lm(model, self.runner, verdict_file)
-        self.disk = kv_disk_cache
-        self._block_layout = self.runner.block_layout()
+        self._block_layout = self.runner.kv.block_layout()
         load_prefix = None
         if kv_disk_cache is not None:
             load_prefix = functools.partial(kv_disk_cache.load_chain, layout=self._block_layout)
-        self.scheduler = Scheduler(
-            self.blocks, policy, self.pool.max_num_seqs, max_num_batched_tokens, load_prefix, self.runner.groups
-        )
-        self.max_context = getattr(model_config(model), "max_position_embeddings", None)
+        self.scheduler = Scheduler(self.blocks, policy, self.pool.max_num_seqs, config.max_num_batched_tokens,
+                                   load_prefix)  # fmt: skip
+        self.max_context = spec.max_context
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
+        self.grammars = Grammars(tokenizer) if tokenizer is not None else None
         self.requests: dict[int, Request] = {}
         self.texts: dict[int, OutputText] = {}
         self.outbox: dict[int, list[StreamChunk]] = {}  # chunks waiting for stream()/generate() consumers
@@ -207,7 +136,8 @@ class Engine:
         model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
         if isinstance(options.get("draft_model"), str):  # a folder or repo too
             options["draft_model"], _ = load_model(options["draft_model"])
-        return cls(model, tokenizer, **{"kv_budget_bytes": "auto", **options})
+        config = options.pop("config", None) or EngineConfig(kv_budget_bytes="auto")
+        return cls(model, tokenizer, config, **options)
 
     @property
     def swap(self):
@@ -377,14 +307,14 @@ class Engine:
             full = min(len(tokens), request.num_computed) // size
             try:
                 names = [name for name, _, _ in self._block_layout]
-                self.disk.save(tokens, request.blocks.table[:full], size, self.runner.read_blocks, names)
+                self.disk.save(tokens, request.blocks.table[:full], size, self.runner.kv.read_blocks, names)
             except Exception as e:  # the disk tier is a cache: losing a save loses no data
                 warnings.warn(f"KV disk cache: could not save a finished request's blocks ({e})", KVDiskCacheWarning)
         if request.swap_handle is not None:
             discard(self.swap, request.swap_handle)
             request.swap_handle = None
         request.saved_state = None
-        self.runner.states.release(request.request_id)
+        self.runner.kv.states.release(request.request_id)
         if self.steps.speculator is not None:
             self.steps.speculator.forget(request.request_id)
         self.scheduler.remove(request)
@@ -451,18 +381,17 @@ class Engine:
             self.abort(rid)
 
     def stats(self) -> dict:
-        used = self.blocks.num_usable_blocks - self.blocks.num_free_blocks
         return {
             "num_blocks": self.blocks.num_usable_blocks,
             "max_blocks": self.max_blocks - 1,
             "kv_bits": self.runner.kv_bits,
             "block_size": self.blocks.block_size,
             "free_blocks": self.blocks.num_free_blocks,
-            "used_blocks": used,
-            "cached_blocks": len(self.blocks.cached),
-            "kv_cache_bytes": sum(runner.kv_bytes for runner in self.steps.runners),  # a draft model's too
+            "used_blocks": self.blocks.num_usable_blocks - self.blocks.num_free_blocks,
+            "cached_blocks": self.blocks.num_cached_blocks,
+            "kv_cache_bytes": sum(runner.kv.nbytes for runner in self.steps.runners),  # a draft model's too
             "recurrent_state_bytes": self.pool.state_bytes,  # the budget's share for max_num_seqs sequences
-            "recurrent_states": self.runner.states.num_sequences,
+            "recurrent_states": self.runner.kv.states.num_sequences,
             "prefix_caching": self.blocks.enable_prefix_caching,
             "disk_cache": self.disk is not None,
             "kv_groups": list(self.runner.groups.windows),  # each group's window (None: full attention)
@@ -488,7 +417,7 @@ class Engine:
             token_ids = [int(t) for t in prompt]
         if not token_ids:
             raise ValueError("empty prompt")
-        vocab = getattr(model_config(self.model), "vocab_size", None)
+        vocab = self.spec.vocab_size
         if vocab and not all(0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt has token ids outside the vocabulary [0, {vocab})")
         return token_ids

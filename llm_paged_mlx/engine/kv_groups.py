@@ -17,15 +17,14 @@ not divide leaves the last of its groups with empty places. Layers that differ
 in shape (K/V heads, head sizes, dtype) or cache latents cannot share arrays:
 such models keep one group, and their windowed layers keep every block.
 
-A request's tables are all or nothing: ``append_slots`` gives blocks to every
-group or to none, and a prefix is cached only as far as every group has it.
+A request's tables are used through ``engine.kv_coordinator``.
 """
 
 import sys
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
-from .block_manager import NULL_BLOCK, BlockManager, SequenceBlocks
+from .block_manager import SequenceBlocks, WindowedBlocks
 
 
 @dataclass(frozen=True)
@@ -42,7 +41,8 @@ class KVGroups:
 
     def new_tables(self) -> list[SequenceBlocks]:
         """Empty tables for a new sequence, one per group."""
-        return [SequenceBlocks(window=window, root=_root(g)) for g, window in enumerate(self.windows)]
+        return [SequenceBlocks(root=_root(g)) if window is None else WindowedBlocks(window=window, root=_root(g))
+                for g, window in enumerate(self.windows)]  # fmt: skip
 
     def blocks_for(self, num_tokens: int, block_size: int) -> int:
         """The blocks a sequence of ``num_tokens`` tokens holds between steps, over all its tables."""
@@ -83,88 +83,9 @@ def kv_groups(windows: Sequence[Optional[int]], uniform: bool) -> KVGroups:
     return KVGroups(tuple(groups), tuple(layer_groups), tuple(layer_places), size)
 
 
+FULL_ATTENTION = KVGroups((None,), (), (), 0)  # one group of layers that see the whole context
+
+
 def _root(group: int) -> Optional[bytes]:
     """What a group's first block hash follows: its K/V are other layers' than another group's."""
     return None if group == 0 else b"group %d" % group
-
-
-# -- a request's tables, all or nothing --------------------------------------------------------
-
-
-def blocks_needed(manager: BlockManager, tables: list[SequenceBlocks], start: int, count: int) -> int:
-    return sum(manager.blocks_needed(seq, start, count) for seq in tables)
-
-
-def append_slots(manager: BlockManager, tables: list[SequenceBlocks], start: int, count: int, tokens: Callable):
-    """Each table's slots for positions ``[start, start + count)`` (``BlockManager.append_slots``), or None
-    (nothing allocated) when the blocks run out. Blocks no window reaches any more are returned first, and
-    enter the prefix cache if they have not yet (``tokens()``: the sequence's tokens): a step that runs
-    ahead is planned before the last one's filled blocks are cached, and a later prompt may need them."""
-    for seq in tables:
-        if manager.passed(seq, start) > seq.live_from and seq.num_cached < start // manager.block_size:
-            manager.cache_full_blocks(seq, tokens(), start)
-        manager.release_passed(seq, start)
-    if blocks_needed(manager, tables, start, count) > manager.num_free_blocks:
-        return None
-    return [manager.append_slots(seq, start, count) for seq in tables]
-
-
-def cached_prefix(manager: BlockManager, tables: list[SequenceBlocks], token_ids) -> list[list[int]]:
-    """Each table's cached blocks of the longest prefix of ``token_ids`` that every table has cached (null
-    where a window needs none)."""
-    found = [manager.cached_prefix(seq, token_ids) for seq in tables]
-    length = min(len(blocks) for blocks in found)
-    while True:  # a windowed table's hit may hold only its window's blocks: it shortens, others follow
-        shorter = min(manager.usable_prefix(seq, blocks, length) for seq, blocks in zip(tables, found))
-        if shorter == length:
-            break
-        length = shorter
-    prefix = []
-    for seq, blocks in zip(tables, found):
-        passed = manager.passed(seq, length * manager.block_size)
-        prefix.append([NULL_BLOCK] * passed + blocks[passed:length])
-    return prefix
-
-
-def blocks_to_start(manager: BlockManager, tables, found: list[list[int]], start: int, count: int) -> int:
-    """New blocks a request takes to start with ``found`` (``cached_prefix``, or nothing) and its first
-    ``count`` tokens from position ``start``."""
-    end = -(-(start + count) // manager.block_size)
-    return sum(end - max(len(blocks), manager.passed(seq, start)) for seq, blocks in zip(tables, found))
-
-
-def restore_slots(manager: BlockManager, tables: list[SequenceBlocks], num_tokens: int) -> None:
-    """Blocks for a resumed request's first ``num_tokens`` tokens (their K/V come back from a swap), but
-    none a window has passed."""
-    for seq in tables:
-        manager.release_passed(seq, num_tokens)
-        start = len(seq.table) * manager.block_size
-        manager.append_slots(seq, start, num_tokens - start)
-
-
-def free(manager: BlockManager, tables: list[SequenceBlocks]) -> None:
-    for seq in tables:
-        manager.free(seq)
-
-
-def allocate_prefix(manager: BlockManager, tables: list[SequenceBlocks], token_ids, found) -> int:
-    """Start each table with its blocks of ``cached_prefix``; returns their tokens."""
-    return min(manager.allocate_prefix(seq, token_ids, blocks) for seq, blocks in zip(tables, found))
-
-
-def truncate(manager: BlockManager, tables: list[SequenceBlocks], num_tokens: int) -> None:
-    """Each table's blocks past the first ``num_tokens`` tokens returned (``BlockManager.truncate``)."""
-    for seq in tables:
-        manager.truncate(seq, num_tokens)
-
-
-def live_blocks(manager: BlockManager, tables: list[SequenceBlocks], num_tokens: int) -> list[int]:
-    """The blocks that hold the tables' first ``num_tokens`` tokens and that a query after them reaches,
-    table after table: what a swap keeps of a preempted request, and writes back when it resumes."""
-    end = -(-num_tokens // manager.block_size)
-    return [block for seq in tables for block in seq.table[manager.passed(seq, num_tokens) : end]]
-
-
-def held(tables: list[SequenceBlocks]) -> list[int]:
-    """The blocks the tables hold (not the null entries of blocks a window passed)."""
-    return [block for seq in tables for block in seq.table if block != NULL_BLOCK]

@@ -23,7 +23,6 @@ from ..models.merged_projections import MergedPart
 from ..models.adapt import model_config
 from ..models.quantized_rows import DEQUANTIZED_ROWS, dequantized_bytes
 
-DEFAULT_MEMORY_FRACTION = 0.9
 OVERSHOOT = 1 / 40  # of the total: MLX's allocations pass its limit by up to one array (measured: 1.5%)
 
 _lowered: dict = {}  # the memory limit this module set -> the one it replaced
@@ -91,7 +90,7 @@ def _largest_dequantized(model, max_tokens: int, logit_rows: int) -> int:
     return largest
 
 
-def auto_kv_budget(reserve: int, fraction: float = DEFAULT_MEMORY_FRACTION) -> int:
+def auto_kv_budget(reserve: int, fraction: float) -> int:
     """The pool's bytes: ``fraction`` of ``device_memory()``, less the memory in use and ``reserve``.
 
     Lowers MLX's memory limit to that total, less ``OVERSHOOT``, if it is higher.

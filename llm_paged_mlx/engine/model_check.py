@@ -30,8 +30,8 @@ from mlx_lm.models.cache import make_prompt_cache
 from .. import files
 from ..kernels.dialect import source_dir
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS
-from ..models.adapt import architecture, model_config
-from ..models.paged_cache import float32_attention
+from ..models.adapt import model_config
+from ..models.attention_hook import float32_attention
 from .request import Request, SamplingParams
 from .scheduler import ScheduledChunk
 
@@ -45,8 +45,9 @@ _verdicts: dict[str, Optional[str]] = {}  # fingerprint -> None (passed) or the 
 _UNKNOWN = object()
 # The code whose behaviour a verdict is about (with the kernels' sources): a change makes every verdict new.
 _OWN_SOURCES = (
-    "engine/*.py", "kernels/*.py", "models/adapt.py", "models/paged_cache.py", "models/quantized_rows.py",
-    "models/softcapped.py", "models/state_cache.py", "models/latent_shape.py", "models/merged_projections.py",
+    "engine/*.py", "kernels/*.py", "models/adapt.py", "models/attention_hook.py", "models/paged_cache.py",
+    "models/quantized_rows.py", "models/softcapped.py", "models/state_cache.py", "models/latent_shape.py",
+    "models/merged_projections.py",
 )  # fmt: skip
 
 
@@ -84,7 +85,8 @@ def check_against_mlx_lm(model, runner, verdict_file=None) -> None:
 
 
 def fingerprint(model, runner) -> str:
-    """A hash of what decides the code path: architecture, config, dtypes, kernel, device, versions."""
+    """A hash of what decides the code path: architecture, config, dtypes, the engine's ``code_path`` options
+    and kernel, device, versions."""
     config = model_config(model)
     quantized = {
         (type(m).__name__, getattr(m, "bits", None), getattr(m, "group_size", None), getattr(m, "mode", None))
@@ -96,11 +98,10 @@ def fingerprint(model, runner) -> str:
         "config": vars(config) if config is not None else None,
         "parameters": [(name, p.shape, str(p.dtype)) for name, p in tree_flatten(model.parameters())],
         "quantized": sorted(quantized, key=repr),
-        "kernel": runner.caches[0].kernel.name,
+        "options": runner.config.code_path,  # with MLA, max_num_batched_tokens decides what is decompressed
+        "kernel": runner.kv.caches[0].kernel.name,
+        "compiled": runner.compile_steps,  # the option, where the kernel can be compiled
         "device": str(mx.default_device()),
-        "block_size": runner.block_size,
-        "compile_steps": runner.compile_steps,
-        "chunk_tokens": runner.chunk_tokens,  # with MLA, whether the check's long prompt is decompressed
         "versions": [mx.__version__, mlx_lm.__version__, _own_code()],
     }
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=repr).encode()).hexdigest()
@@ -124,23 +125,10 @@ def _verdict(model, runner) -> Optional[str]:
 
     Raises ``_NoVerdict`` if either path fails before the logits can be compared.
     """
-    arch = architecture(model)
-    size = runner.block_size
-    # The long prompt ends 2 tokens before a block boundary, the short one 1 token before: their decode steps
-    # cross a boundary at different positions. The short one also decodes in the long one's second prefill step.
-    # The long one is longer than the smallest sliding window, if there is one, and for MLA long enough to take
-    # mlx-lm's prompt formulation (``models.latent_shape``), its second chunk continuing a context.
-    windows = [layout.window for layout in runner.layouts if layout.window]
-    blocks = max(3, -(-min(windows) // size) + 2) if windows else 3
-    if any(layout.latent for layout in runner.layouts):
-        blocks = max(blocks, -(-(MIN_SEQUENCE_TOKENS + 2) // size))
-    long_len, short_len = max(blocks * size - 2, 4), max(size - 1, 2)
-    rng = np.random.default_rng(0)
-    vocab = getattr(model_config(model), "vocab_size", None) or 32
-    long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()
-    short = rng.integers(0, vocab, short_len + DECODE_STEPS + 1).tolist()
+    arch, size = runner.spec.architecture, runner.block_size
+    long, long_len, short, short_len = _check_sequences(model, runner)
     need = 1 + (-(-len(long) // size) + -(-len(short) // size)) * len(runner.groups.windows)  # with the null block
-    if runner.num_blocks < need or runner.kv_bits is not None:
+    if runner.kv.num_blocks < need or runner.kv_bits is not None:
         # Quantized K/V are checked at full precision: quantizing them is the pool's and the kernels' business
         # (their tests and the kernels' own first-use checks), not the model's, and mlx-lm's quantized cache
         # does not run on every backend.
@@ -158,7 +146,7 @@ def _verdict(model, runner) -> Optional[str]:
     labels = [_label(long_len, i) for i in range(DECODE_STEPS + 1)]
     labels += [_label(short_len, i) for i in range(DECODE_STEPS + 2)]
     # The tolerance of the less precise of the logits and the K/V pools.
-    dtype = min(expected[0].dtype, runner.caches[0].dtype, key=lambda d: d.size)
+    dtype = min(expected[0].dtype, runner.kv.caches[0].dtype, key=lambda d: d.size)
     tolerance = TOLERANCE.get(dtype, TOLERANCE[mx.float32])
     for label, want in zip(labels, expected):
         if mx.any(mx.isnan(want)).item():  # the weights', not the code path's, doing
@@ -179,13 +167,34 @@ def _verdict(model, runner) -> Optional[str]:
     # tells such a model from a paged path that computes something else.
     try:
         with float32_attention():
-            got = _paged(runner.with_pools(runner.num_blocks), long, long_len, short, short_len)
+            got = _paged(runner.with_pools(runner.kv.num_blocks), long, long_len, short, short_len)
     except Exception as e:
         raise _NoVerdict(f"{arch}: fails on the paged cache in float32: {type(e).__name__}: {e}") from e
     mismatch = _mismatch(labels, rounded, got, [tolerance] * len(labels))
     if mismatch is None:
         return None
     return reason + f", and {mismatch[1]:.3g} at {mismatch[0]} with attention in float32 on both paths"
+
+
+def _check_sequences(model, runner) -> tuple[list[int], int, list[int], int]:
+    """The check's two sequences (random tokens) and their prompts' lengths.
+
+    The long prompt ends 2 tokens before a block boundary, the short one 1 token before: their decode steps
+    cross a boundary at different positions. The short one also decodes in the long one's second prefill step.
+    The long one is longer than the smallest sliding window, if there is one, and for MLA long enough to take
+    mlx-lm's prompt formulation (``models.latent_shape``), its second chunk continuing a context.
+    """
+    size = runner.block_size
+    windows = [layout.window for layout in runner.spec.attention if layout.window]
+    blocks = max(3, -(-min(windows) // size) + 2) if windows else 3
+    if runner.spec.latent:
+        blocks = max(blocks, -(-(MIN_SEQUENCE_TOKENS + 2) // size))
+    long_len, short_len = max(blocks * size - 2, 4), max(size - 1, 2)
+    rng = np.random.default_rng(0)
+    vocab = runner.spec.vocab_size or 32
+    long = rng.integers(0, vocab, long_len + DECODE_STEPS).tolist()
+    short = rng.integers(0, vocab, short_len + DECODE_STEPS + 1).tolist()
+    return long, long_len, short, short_len
 
 
 def _mismatch(labels, expected, got, tolerances) -> Optional[tuple[str, float]]:
@@ -228,7 +237,7 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
     size = runner.block_size
     a = Request(-1, long[:long_len], SamplingParams(), max_total_tokens=len(long))
     b = Request(-2, short[:short_len], SamplingParams(), max_total_tokens=len(short))
-    ids = iter(range(1, runner.num_blocks))  # block 0 is the null block
+    ids = iter(range(1, runner.kv.num_blocks))  # block 0 is the null block
     blocks = {}  # each table's blocks, of every group; windows keep all of theirs here
     for request in (a, b):
         request.tables = runner.groups.new_tables()
@@ -266,7 +275,7 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
             short_rows.append(row_b)
     finally:
         for request in (a, b):  # what models with recurrent layers keep of them
-            runner.states.release(request.request_id)
+            runner.kv.states.release(request.request_id)
     return long_rows + short_rows
 
 

@@ -1,4 +1,4 @@
-"""The model runner: owns the model and the K/V pools, runs one step's forward pass.
+"""The model runner: runs one step's forward pass of the model over its K/V pools (``engine.kv_pools``).
 
 A step whose every row is a single query (all decode steps, and prefill steps
 a kernel serves as rows) runs through one ``mx.compile``-d function per
@@ -30,24 +30,17 @@ from mlx_lm.models.cache import make_prompt_cache
 from ..kernels.plan import AttentionPlan, PrefillChunk
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
-from ..models.adapt import model_caches
+from ..models.adapt import ModelSpec
 from ..models.paged_cache import LayerLayout, PagedLayerCache
-from ..models.state_cache import StateLayout, honours_lengths
+from ..models.state_cache import honours_lengths
+from .config import EngineConfig
 from .kv_groups import KVGroups, kv_groups
+from .kv_pools import KVPools
 from .scheduler import ScheduledChunk
-from .states import RecurrentStates
 
-# Architectures whose Model.__call__ is exactly "body, then tied embedding or lm_head":
-# for them only the rows that are sampled go through the vocabulary projection.
-_BODY_THEN_HEAD = {"llama", "mistral", "qwen2", "qwen3"}
 # Each traced shape keeps its graph (about 3 MB for a 28-layer model): past this many
 # shapes the traces are dropped and shapes are traced again as they come.
 MAX_TRACED_SHAPES = 32
-
-
-def projects_sampled_rows_only(model) -> bool:
-    """Whether steps put only the rows they sample through the vocabulary projection."""
-    return getattr(model, "model_type", None) in _BODY_THEN_HEAD
 
 
 def attention_groups(layouts: list[LayerLayout]) -> KVGroups:
@@ -64,173 +57,45 @@ def padded_size(n: int) -> int:
 
 
 class ModelRunner:
-    def __init__(
-        self,
-        model,
-        layouts: list[LayerLayout | StateLayout],
-        num_blocks: int,
-        block_size: int,
-        kernel,
-        compile_steps: bool = True,
-        kv_bits=None,
-        kv_group_size: int = 64,
-        chunk_tokens: int = 2048,
-    ):
-        """``layouts``: one per cache the model takes (``check_model``). ``kv_bits`` (8 or 4) stores K/V
-        quantized in groups of ``kv_group_size`` (``kernels.quantized``). ``chunk_tokens``: the most tokens
-        of one request a step takes (the scheduler's ``max_num_batched_tokens``)."""
-        self.model = model
-        self.chunk_tokens = chunk_tokens
-        self.all_layouts = layouts
-        self.layouts = [layout for layout in layouts if isinstance(layout, LayerLayout)]
-        self.state_layouts = [layout for layout in layouts if isinstance(layout, StateLayout)]
-        self.block_size = block_size
-        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.groups = attention_groups(self.layouts)
-        made = [
-            layout.make_cache(num_blocks, block_size, kernel, kv_bits, kv_group_size)
-            if isinstance(layout, LayerLayout)
-            else layout.make_cache()
-            for layout in layouts
-        ]
-        self.caches = [c for c, layout in zip(made, layouts) if isinstance(layout, LayerLayout)]
-        # The first layer in each place of a group owns that place's pool arrays; the others share them.
-        self._owners: list = []
-        for cache, place in zip(self.caches, self.groups.layer_places):
-            if place < len(self._owners):
-                cache.arrays = self._owners[place].arrays
-            else:
-                self._owners.append(cache)
-        self.states = RecurrentStates([c for c, layout in zip(made, layouts) if isinstance(layout, StateLayout)])
+    def __init__(self, model, spec: ModelSpec, num_blocks: int, kernel, config: EngineConfig):
+        """``spec``: the model's (``check_model``); ``config``: the engine's (its ``block_size``, ``kv_bits``
+        and ``kv_group_size``, ``compile_steps``, and ``max_num_batched_tokens``, the most tokens of one
+        request a step takes)."""
+        self.model, self.spec, self.config = model, spec, config
+        self.chunk_tokens = config.max_num_batched_tokens
+        self.block_size = config.block_size
+        self.kv_bits = config.kv_bits
+        self.groups = attention_groups(spec.attention)
+        self.kv = KVPools(model, spec.caches, num_blocks, kernel, config, self.groups)
         # Whether prefill chunks of several sequences can share a right-padded call.
-        self._pads_sequences = bool(self.states) and honours_lengths(model, lambda: make_prompt_cache(model))
-        self._model_caches = model_caches(model, made)
-        mx.eval(self.pools())
-        self.split = projects_sampled_rows_only(model)
-        self.compile_steps = compile_steps and getattr(kernel, "compilable", False)
+        self._pads_sequences = bool(self.kv.states) and honours_lengths(model, lambda: make_prompt_cache(model))
+        self.split = spec.projects_sampled_rows_only
+        self.compile_steps = config.compile_steps and kernel.compilable
         self._compiled_rows = None
         self._traced_shapes: set[tuple[int, int, bool, bool]] = set()
-        self._prefill_as_rows = getattr(kernel, "prefill_as_rows", None)
-        latent = [layout for layout in self.layouts if layout.latent]
+        self._prefill_as_rows = kernel.prefill_as_rows
+        latent = [layout for layout in spec.attention if layout.latent]
         self._latent = latent_shape(model, latent[0].dtype) if latent else None
-        self._kept: Optional[list[tuple[list[int], list[mx.array]]]] = None  # see protect()
-        # Compiled steps may write K/V in place where each layer owns its pools (AttentionPlan.in_place);
-        # until such a step is launched, the pools it took (for rollback).
-        self._in_place = len(self._owners) == len(self.caches) and getattr(kernel, "in_place_writes", False)
-        self._pools_before: Optional[list[mx.array]] = None
+        # Compiled steps may write K/V in place where each layer owns its pools (AttentionPlan.in_place).
+        self._in_place = len(self.kv.owners) == len(self.kv.caches) and kernel.in_place_writes
 
     def with_pools(self, num_blocks: int) -> "ModelRunner":
         """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
-        kernel = self.caches[0].kernel
-        return ModelRunner(self.model, self.all_layouts, num_blocks, self.block_size, kernel, self.compile_steps,
-                           chunk_tokens=self.chunk_tokens)  # fmt: skip
-
-    @property
-    def num_blocks(self) -> int:
-        return self.caches[0].shape[0]
+        kernel = self.kv.caches[0].kernel
+        return ModelRunner(self.model, self.spec, num_blocks, kernel, self.config.replace(kv_bits=None))
 
     @property
     def writes_in_place(self) -> bool:
         """Whether decode steps write K/V into the pools in place (as the last one traced did, every layer):
         then a step launched while another runs copies no pool."""
-        return self._in_place and bool(self.caches) and all(c.decodes_in_place for c in self.caches)
-
-    def pools(self) -> list[mx.array]:
-        return [a for c in self._owners for a in c.arrays]
-
-    def block_layout(self) -> list[tuple[str, tuple, mx.Dtype]]:
-        """Name, shape and dtype of each array ``read_blocks`` returns for one block."""
-        return [
-            (name, (cache.shape[1] * self.block_size, array.shape[1]), array.dtype)
-            for place, cache in enumerate(self._owners)
-            for name, array in zip(cache.names(place), cache.arrays)
-        ]
-
-    def reset_pools(self) -> None:
-        """New, zeroed pools, for when what the old ones hold is unknown."""
-        for cache in self._owners:
-            cache.arrays[:] = [mx.zeros(a.shape, a.dtype) for a in cache.arrays]
-        for cache in self.caches:
-            cache.plan = None
-        self.states.clear()
-        mx.eval(self.pools())
+        caches = self.kv.caches
+        return self._in_place and bool(caches) and all(c.decodes_in_place for c in caches)
 
     def grow(self, num_blocks: int) -> None:
         """Grow the pools to ``num_blocks`` blocks, keeping their contents; steps are traced anew."""
-        for cache in self._owners:
-            cache.resize(num_blocks)
+        self.kv.resize(num_blocks)
         self._compiled_rows = None
         self._traced_shapes.clear()
-
-    # -- transactions -----------------------------------------------------------------------
-    #
-    # A step writes (copies, swap-ins, disk loads, its K/V) into slots no one reads unless it commits
-    # (its new tokens' slots, fresh blocks), and into blocks whose K/V someone reads again if it is
-    # undone: blocks a preempted request held, which the engine names to ``protect`` before writing,
-    # and cached free blocks, which an undone step takes out of the prefix cache instead. Keeping the
-    # whole pools would make every write copy them, or forbid evaluating within a step.
-
-    def begin(self) -> None:
-        self._kept = []
-        self._pools_before = None
-        self.states.begin()
-
-    def protect(self, blocks: list[int]) -> None:
-        """Keep a copy of the blocks' K/V as they are now, for ``rollback`` to write back."""
-        if blocks:
-            data = self.read_blocks(blocks)
-            mx.eval(data)
-            self._kept.append((blocks, data))
-
-    def commit(self) -> None:
-        self._kept = self._pools_before = None
-        self.states.commit()
-
-    def rollback(self) -> None:
-        """Write back what ``protect`` kept. What else the step wrote stays, in slots no one reads; writes
-        in place that were not launched are dropped (they would run unordered within a later step)."""
-        if self._pools_before is not None:
-            self._set_pools(self._pools_before)
-        for blocks, data in reversed(self._kept):
-            self._write(blocks, data)
-        self._kept = self._pools_before = None
-        for cache in self.caches:
-            cache.plan = None
-            cache.drop_pending()
-        self.states.rollback()
-
-    def _set_pools(self, pools: list[mx.array]) -> None:
-        parts = iter(pools)
-        for cache in self._owners:
-            cache.arrays[:] = [next(parts) for _ in cache.arrays]
-
-    @property
-    def kv_bytes(self) -> int:
-        return sum(c.nbytes for c in self._owners)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        for cache in self._owners:
-            cache.copy_blocks(copies)
-
-    def read_blocks(self, blocks: list[int]) -> list[mx.array]:
-        """The pool arrays' rows of the given blocks (lazy copies), in ``block_layout`` order. Evaluate them
-        before the next step is launched: on CUDA steps write the pools in place."""
-        out = []
-        for cache in self._owners:
-            rows = cache.block_rows(blocks)
-            out += [array[rows] for array in cache.arrays]
-        return out
-
-    def write_blocks(self, blocks: list[int], data: list[mx.array]) -> None:
-        """Write what ``read_blocks`` returned into (other) blocks."""
-        self._write(blocks, data)
-
-    def _write(self, blocks: list[int], data: list[mx.array]) -> None:
-        parts = iter(data)
-        for cache in self._owners:
-            rows = cache.block_rows(blocks)
-            for array in cache.arrays:
-                array[rows] = next(parts)
 
     def forward(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None,
                 project: bool = True) -> mx.array:  # fmt: skip
@@ -277,22 +142,22 @@ class ModelRunner:
 
     def launch(self, *outputs) -> None:
         """Start evaluating the step (the given outputs and every pool write) without waiting for it."""
-        mx.async_eval(*outputs, self.pools(), self.states.take_written())  # lazy states would hold activations
-        for cache in self.caches:
+        mx.async_eval(*outputs, self.kv.arrays(), self.kv.states.take_written())  # lazy states hold activations
+        for cache in self.kv.caches:
             cache.plan = None
 
     def _body(self, inputs: mx.array, plans: list[AttentionPlan]) -> mx.array:
         """The model up to the vocabulary projection (split architectures) or with it; ``plans``: one per
         group of layers."""
-        for cache, group in zip(self.caches, self.groups.layer_groups):
+        for cache, group in zip(self.kv.caches, self.groups.layer_groups):
             cache.plan = plans[group]
         try:
-            out = (self.model.model if self.split else self.model)(inputs, cache=self._model_caches)
+            out = (self.model.model if self.split else self.model)(inputs, cache=self.kv.model_caches)
         except BaseException:
-            for cache in self.caches:  # rows of a failed call (or of a failed trace's placeholders)
+            for cache in self.kv.caches:  # rows of a failed call (or of a failed trace's placeholders)
                 cache.drop_pending()
             raise
-        for cache in self.caches:  # K/V rows a layer did not attend with: a write must not be lost
+        for cache in self.kv.caches:  # K/V rows a layer did not attend with: a write must not be lost
             cache.write_pending()
         return out
 
@@ -311,7 +176,7 @@ class ModelRunner:
         """Whether the chunk runs as a sequence: a recurrence runs along it, or MLA decompresses its context."""
         if chunk.num_tokens == 1:
             return False
-        if self.states:
+        if self.kv.states:
             return True
         return self._latent is not None and self._decompresses(chunk.request)
 
@@ -330,7 +195,7 @@ class ModelRunner:
         """The traced step: every row one query; takes and returns the pools and the rows' recurrent state.
         ``decode``: every row is its sequence's one new token; ``in_place``: see ``AttentionPlan``; ``slots``
         and ``block_tables``: one per group of layers."""
-        self._set_pools(pools)
+        self.kv.set_arrays(pools)
         rows = tokens.shape[0]
         plans = [
             AttentionPlan(
@@ -339,9 +204,9 @@ class ModelRunner:
             )
             for s, tables in zip(slots, block_tables)
         ]
-        self.states.bind_flat(states)
+        self.kv.states.bind_flat(states)
         hidden = self._body(tokens[:, None], plans)
-        return hidden, self.pools(), self.states.unbind_flat()
+        return hidden, self.kv.arrays(), self.kv.states.unbind_flat()
 
     def _forward_rows(self, chunks, input_tokens, in_place: bool = True) -> mx.array:
         """``in_place``: unless other calls of the step write the same pools (see ``AttentionPlan.in_place``)."""
@@ -368,16 +233,16 @@ class ModelRunner:
         # Each row sees its context up to and including its own position.
         slot_arrays, table_arrays = [mx.array(s) for s in slots], [mx.array(t) for t in block_tables]
         arrays = [padded, mx.array(positions), slot_arrays, table_arrays, mx.array(positions + 1)]
-        pools = self.pools()
-        states = self.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
+        pools = self.kv.arrays()
+        states = self.kv.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
         in_place = in_place and self._in_place
         shape = (rows, width, all(c.num_tokens == 1 for c in chunks), in_place)
         traced = shape in self._traced_shapes
         try:
             hidden, new_pools, new_states = self._compiled_for(shape)(*arrays, pools, states)
         except BaseException as e:
-            self._set_pools(pools)  # a failed trace must not leave its placeholders in the caches
-            self.states.abandon_call()
+            self.kv.set_arrays(pools)  # a failed trace must not leave its placeholders in the caches
+            self.kv.states.abandon_call()
             if traced or not isinstance(e, Exception):
                 raise
             self._traced_shapes.discard(shape)
@@ -390,10 +255,10 @@ class ModelRunner:
             # The model's code cannot be traced (it reads array values, say): run its steps eagerly.
             warnings.warn(f"steps of this model cannot be compiled ({e}); running them eagerly", RuntimeWarning, stacklevel=2)
             return hidden
-        self._set_pools(new_pools)
-        if in_place and self._pools_before is None:  # before the step's first call (a draft model makes several)
-            self._pools_before = pools
-        self.states.keep_flat([c.request.request_id for c in chunks], new_states)
+        self.kv.set_arrays(new_pools)
+        if in_place:
+            self.kv.keep_before_in_place(pools)
+        self.kv.states.keep_flat([c.request.request_id for c in chunks], new_states)
         return hidden
 
     def _compiled_for(self, shape: tuple[int, int, bool, bool]):
@@ -424,7 +289,7 @@ class ModelRunner:
             calls.append((group, functools.partial(self._forward_sequences, group)))
         for group, call in calls:
             lengths = None if group is in_rows or len(group) == 1 else [c.num_tokens for c in group]
-            with self.states.bound(self._state_keys(group), [c.request.request_id for c in group], lengths):
+            with self.kv.states.bound(self._state_keys(group), [c.request.request_id for c in group], lengths):
                 hidden = call()
             start = 0
             for chunk in group:
@@ -491,7 +356,7 @@ class ModelRunner:
         return [c.request.request_id if c.request.num_computed else None for c in chunks]
 
     def _forward_uncompiled(self, chunks, input_tokens) -> mx.array:
-        if self.states or any(self._as_sequence(c) for c in chunks):  # recurrent state is bound around calls
+        if self.kv.states or any(self._as_sequence(c) for c in chunks):  # recurrent state is bound around calls
             return self._forward_calls(chunks, input_tokens)
         return self._forward_eager(chunks, input_tokens)
 

@@ -29,9 +29,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from ..hookspecs import hookimpl
-from . import kv_groups
-from .block_manager import BlockManager, SequenceBlocks
-from .kv_groups import KVGroups
+from .block_manager import SequenceBlocks
+from .kv_coordinator import KVCoordinator
 from .request import Request, Status
 
 MAX_PREEMPTIONS = 4
@@ -134,26 +133,16 @@ _REQUEST_STATE = (
 
 
 class Scheduler:
-    """Plans each step over the block manager.
+    """Plans each step over the requests' blocks (``blocks``: their ``KVCoordinator``).
 
     ``load_prefix(parent_hash, blocks_token_ids)``, if given, returns the K/V of
     the full blocks that follow a cached prefix, as far as the disk tier has
     them; it is asked only for blocks an admitted request has room for.
-    ``groups``: the model's groups of attention layers, each with a block table
-    per request (one group unless given).
     """
 
-    def __init__(
-        self,
-        blocks: BlockManager,
-        policy,
-        max_num_seqs: int,
-        max_num_batched_tokens: int,
-        load_prefix: Optional[Callable] = None,
-        groups: Optional[KVGroups] = None,
-    ):
+    def __init__(self, blocks: KVCoordinator, policy, max_num_seqs: int, max_num_batched_tokens: int,
+                 load_prefix: Optional[Callable] = None):  # fmt: skip
         self.blocks = blocks
-        self.groups = groups
         self.policy = policy
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -167,8 +156,7 @@ class Scheduler:
         self._saved: Optional[tuple] = None
 
     def add(self, request: Request) -> None:
-        if self.groups is not None:
-            request.tables = self.groups.new_tables()
+        request.tables = self.blocks.new_tables()
         self.waiting.append(request)
 
     def remove(self, request: Request) -> None:
@@ -177,12 +165,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        kv_groups.free(self.blocks, request.tables)
+        self.blocks.free(request.tables)
 
     def start_over(self) -> None:
         """Every request back to waiting, its blocks freed: its K/V are computed again (or swapped back in)."""
         for request in self.running + self.waiting:
-            kv_groups.free(self.blocks, request.tables)
+            self.blocks.free(request.tables)
             if request.swap_handle is None:
                 request.num_computed = 0
             request.status = Status.WAITING
@@ -227,13 +215,13 @@ class Scheduler:
             request = self.running[index]
             count = min(request.num_pending, budget)
             tokens = functools.partial(getattr, request, "token_ids")  # built only if a windowed table needs them
-            slots = kv_groups.append_slots(self.blocks, request.tables, request.num_computed, count, tokens)
+            slots = self.blocks.append_slots(request.tables, request.num_computed, count, tokens)
             while slots is None:
                 victim = self._victim(index)
                 self._preempt(victim, plan)
                 if victim is request:
                     break
-                slots = kv_groups.append_slots(self.blocks, request.tables, request.num_computed, count, tokens)
+                slots = self.blocks.append_slots(request.tables, request.num_computed, count, tokens)
             if slots is not None:
                 plan.chunks.append(ScheduledChunk(request, count, slots))
                 budget -= count
@@ -253,7 +241,7 @@ class Scheduler:
             if not draft or chunk.num_tokens != 1 or not chunk.completes:
                 continue
             start = request.num_computed + 1
-            slots = kv_groups.append_slots(self.blocks, request.tables, start, len(draft), lambda: request.token_ids)
+            slots = self.blocks.append_slots(request.tables, start, len(draft), lambda: request.token_ids)
             if slots is None:
                 continue
             chunk.draft, chunk.num_tokens = draft, 1 + len(draft)
@@ -270,7 +258,7 @@ class Scheduler:
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
         self.touch(victim)
         plan.preempted.append((victim, [dataclasses.replace(seq) for seq in victim.tables]))  # keep the tables
-        kv_groups.free(self.blocks, victim.tables)
+        self.blocks.free(victim.tables)
         self.running.remove(victim)
         victim.status = Status.WAITING
         victim.num_preemptions += 1
@@ -302,12 +290,12 @@ class Scheduler:
         if request.swap_handle is not None:  # its kept K/V go to new blocks, then the chunk
             start, found = request.num_computed, [[] for _ in tables]
         else:
-            found = kv_groups.cached_prefix(self.blocks, tables, tokens)
+            found = self.blocks.cached_prefix(tables, tokens)
             start = len(found[0]) * size
         count = min(len(tokens) - start, budget)
-        needed = kv_groups.blocks_to_start(self.blocks, tables, found, start, count)
+        needed = self.blocks.blocks_to_start(tables, found, start, count)
         prefix = [b for blocks in found for b in blocks if b]
-        free = self.blocks.num_free_blocks - sum(self.blocks.blocks[b].ref_count == 0 for b in prefix)
+        free = self.blocks.free_besides(prefix)
         if needed > free and not self._make_room(request, needed - free, prefix, plan):
             return None
         self.touch(request)
@@ -316,10 +304,10 @@ class Scheduler:
         plan.admitted.append(request)
         request.status = Status.RUNNING
         if request.swap_handle is not None:
-            kv_groups.restore_slots(self.blocks, tables, start)
+            self.blocks.restore_slots(tables, start)
             plan.swapped_in.append(request)
         else:
-            hit = kv_groups.allocate_prefix(self.blocks, tables, tokens, found)
+            hit = self.blocks.allocate_prefix(tables, tokens, found)
             from_disk = self._load_from_disk(request, budget, plan)
             request.num_computed = start = hit + from_disk
             request.draft_start = 0  # a prefix from the cache or the disk may lack a draft model's K/V
@@ -329,7 +317,7 @@ class Scheduler:
             self.prefix_query_tokens += len(tokens)
             self.prefix_hit_tokens += hit
             self.disk_hit_tokens += from_disk
-        slots = kv_groups.append_slots(self.blocks, tables, start, count, lambda: tokens)
+        slots = self.blocks.append_slots(tables, start, count, lambda: tokens)
         chunk = ScheduledChunk(request, count, slots)
         plan.chunks.append(chunk)
         return chunk
@@ -345,8 +333,7 @@ class Scheduler:
                 break
             if victim.num_preemptions < MAX_PREEMPTIONS and victim not in plan.admitted and preempts(request, victim):
                 victims.append(victim)
-                held = kv_groups.held(victim.tables)
-                freed += sum(self.blocks.blocks[b].ref_count == 1 and b not in prefix for b in held)
+                freed += self.blocks.freed_by(victim.tables, prefix)
         if freed < short:
             return False
         for victim in victims:
@@ -378,7 +365,7 @@ class Scheduler:
         found = self.load_prefix(parent, [tokens[s : s + size] for s in starts])
         loaded = 0
         for block_start, data in zip(starts, found):
-            block_id = self.blocks.append_cached_block(seq, tokens[: block_start + size])
+            block_id = self.blocks.append_cached_block(request.tables, tokens[: block_start + size])
             if block_id is None:
                 break
             plan.disk_loads.append((block_id, data))

@@ -7,17 +7,16 @@ some machines.
 """
 
 from dataclasses import dataclass
-from typing import Optional, Union
+from typing import Optional
 
 import mlx.core as mx
 
+from ..models.adapt import ModelSpec
 from ..parallel.collectives import every_rank, ranks_on_this_machine
+from .config import DEFAULT_KV_BUDGET, DEFAULT_MAX_NUM_SEQS, EngineConfig
 from .memory import auto_kv_budget, format_size, step_reserve
-from .runner import projects_sampled_rows_only
 
-DEFAULT_KV_BUDGET = 2 * 1024**3
 INITIAL_POOL_BYTES = 128 * 1024**2
-DEFAULT_MAX_NUM_SEQS = 64
 
 
 @dataclass(frozen=True)
@@ -43,28 +42,17 @@ class PoolSize:
         return min(self.max_blocks, max(2 * num_blocks, num_blocks + wanted))
 
 
-def size_pools(
-    model,
-    layouts,
-    state_layouts,
-    groups,
-    *,
-    block_size: int,
-    num_blocks: Optional[int],
-    kv_budget_bytes: Union[int, str, None],
-    memory_fraction: float,
-    kv_bits: Optional[int],
-    kv_group_size: int,
-    max_num_seqs: Optional[int],
-    max_num_batched_tokens: int,
-    group=None,
-    draft_layouts=(),
-) -> PoolSize:
-    """The pools of ``num_blocks`` blocks, or of as many as ``kv_budget_bytes`` (``kv_budget``'s) holds beside
-    the recurrent state of ``max_num_seqs`` sequences (64 unless given, or for models with ``state_layouts``
-    as many as half the budget holds the state of). ``layouts``: the attention layers' ``LayerLayout``s,
-    ``groups``: their ``KVGroups``; ``draft_layouts``: a draft model's, whose K/V each block also holds
-    (``engine.drafter``). ValueError if the budget holds fewer than 2 blocks."""
+def size_pools(model, spec: ModelSpec, groups, config: EngineConfig, group=None,
+               draft: Optional[ModelSpec] = None) -> PoolSize:  # fmt: skip
+    """The pools of ``config.num_blocks`` blocks, or of as many as ``kv_budget_bytes`` (``kv_budget``'s) holds
+    beside the recurrent state of ``max_num_seqs`` sequences (``DEFAULT_MAX_NUM_SEQS`` unless given, or for
+    models with recurrent layers as many as half the budget holds the state of). ``spec``: the model's,
+    ``groups``: its attention layers' ``KVGroups``; ``group``: a tensor-parallel group; ``draft``: a draft
+    model's spec, whose K/V each block also holds (``engine.drafter``). ValueError if the budget holds fewer
+    than 2 blocks."""
+    layouts, state_layouts, draft_layouts = spec.attention, spec.states, draft.attention if draft else []
+    block_size, num_blocks, max_num_seqs = config.block_size, config.num_blocks, config.max_num_seqs
+    kv_bits, kv_group_size, max_num_batched_tokens = config.kv_bits, config.kv_group_size, config.max_num_batched_tokens
     # A block holds its tokens for the layers of one group: one layer in each of the groups' places.
     owners = {place: layout for place, layout in reversed(list(zip(groups.layer_places, layouts)))}
     block_bytes = block_size * sum(layout.bytes_per_token(kv_bits, kv_group_size) for layout in owners.values())
@@ -72,7 +60,8 @@ def size_pools(
     per_sequence = sum(layout.bytes_per_sequence for layout in state_layouts)
     if num_blocks is None:
         step_tokens = max_num_batched_tokens * (2 if state_layouts else 1)  # hybrids' prompts run right-padded
-        budget = kv_budget(model, kv_budget_bytes, memory_fraction, max_num_seqs or DEFAULT_MAX_NUM_SEQS,
+        logit_rows = (max_num_seqs or DEFAULT_MAX_NUM_SEQS) if spec.projects_sampled_rows_only else step_tokens
+        budget = kv_budget(model, config.kv_budget_bytes, config.memory_fraction, logit_rows,
                            step_tokens, group)  # fmt: skip
         if max_num_seqs is None and per_sequence:  # as many sequences as half the budget holds the state of
             max_num_seqs = max(1, min(DEFAULT_MAX_NUM_SEQS, budget // 2 // per_sequence))
@@ -93,10 +82,11 @@ def size_pools(
     return PoolSize(block_bytes, num_blocks, initial, step_blocks, max_num_seqs, state_bytes)
 
 
-def kv_budget(model, budget, fraction: float, max_num_seqs: int, max_num_batched_tokens: int, group=None) -> int:
+def kv_budget(model, budget, fraction: float, logit_rows: int, max_num_batched_tokens: int, group=None) -> int:
     """The pools' bytes: ``budget`` as given, ``DEFAULT_KV_BUDGET`` for None, or for ``"auto"`` the ``fraction``
-    of the device's memory that the weights and a step's activations leave (over a tensor-parallel
-    ``group``: the smallest rank's, shared by the ranks on one machine where they share its memory)."""
+    of the device's memory that the weights and a step's activations leave (``logit_rows``: the rows a step
+    puts through the vocabulary projection; over a tensor-parallel ``group``: the smallest rank's, shared by
+    the ranks on one machine where they share its memory)."""
     if budget is None:
         return DEFAULT_KV_BUDGET
     if budget != "auto":
@@ -104,7 +94,6 @@ def kv_budget(model, budget, fraction: float, max_num_seqs: int, max_num_batched
             raise ValueError(f"kv_budget_bytes must be a positive number of bytes or 'auto', not {budget!r}")
         return budget
     mx.eval(model.parameters())  # the weights count as memory in use
-    logit_rows = max_num_seqs if projects_sampled_rows_only(model) else max_num_batched_tokens
     budget = auto_kv_budget(step_reserve(model, max_num_batched_tokens, logit_rows), fraction)
     if group is not None:  # the pools must hold as many blocks on every rank
         if mx.default_device() == mx.cpu or mx.metal.is_available():  # ranks on one machine share its memory

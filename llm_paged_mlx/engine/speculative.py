@@ -36,12 +36,9 @@ import numpy as np
 
 MIN_NGRAM, MAX_NGRAM = 1, 3
 LOOKUP_TOKENS = 8192
-MAX_SPECULATIVE_TOKENS = 16
 MAX_MISSES = 4
 PAUSE_TOKENS = 16
 MAX_PAUSE_TOKENS = 512
-DEFAULT_MAX_BATCH = 4
-MODES = ("ngram", "draft")  # prompt lookup; a draft model (``engine.drafter``)
 
 
 def lookup(tokens: np.ndarray, k: int) -> list[int]:
@@ -65,21 +62,6 @@ def accepted(draft: list[int], sampled: list[int]) -> list[int]:
         if sampled[i] != token:
             return sampled[: i + 1]
     return sampled[: len(draft) + 1]
-
-
-def check_options(speculative, num_tokens, max_batch) -> None:
-    """ValueError naming a speculative option out of range (checked whether or not ``speculative`` is set)."""
-    if speculative is not None and speculative not in MODES:
-        raise ValueError(f"unknown speculative mode {speculative!r}: choose from {', '.join(MODES)}")
-    if not (_integer(num_tokens) and 1 <= num_tokens <= MAX_SPECULATIVE_TOKENS):
-        raise ValueError(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
-                         f"got {num_tokens!r}")  # fmt: skip
-    if not (_integer(max_batch) and max_batch >= 1):
-        raise ValueError(f"speculative_max_batch must be a positive integer, got {max_batch!r}")
-
-
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -122,8 +104,7 @@ class Speculator:
     """Drafts for an engine's decoding requests (``mode``: by prompt lookup, or lengths a draft model fills),
     at most ``num_tokens`` a step each, and the counts ``stats()`` reports."""
 
-    def __init__(self, mode: str, num_tokens: int, max_batch: int = DEFAULT_MAX_BATCH):
-        check_options(mode, num_tokens, max_batch)
+    def __init__(self, mode: str, num_tokens: int, max_batch: int):
         self.mode, self.num_tokens, self.max_batch = mode, num_tokens, max_batch
         self.paces: dict[int, _Pace] = {}
         self.counts = DraftCounts()

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import mlx.core as mx
 
 from ..parallel.collectives import rank_zero_tokens
-from . import kv_groups, speculative
+from . import speculative
 from .disk.format import device, host
 from .drafter import Drafter, SharedBlocks
 from .output import TokenLogprob
@@ -101,7 +101,7 @@ class StepPipeline:
         self.speculator = speculator
         self.drafter = Drafter(draft_runner, blocks) if draft_runner else None
         self.runners = [runner] + ([draft_runner] if draft_runner else [])  # every pool the block ids index
-        self.swapped = SharedBlocks(runner, draft_runner) if draft_runner else runner  # what a swap keeps of a block
+        self.swapped = SharedBlocks(runner.kv, draft_runner.kv) if draft_runner else runner.kv  # what a swap keeps
         self.in_flight: Optional[BuiltStep] = None  # a step launched on the device, its tokens not yet read
         self.unread: Optional[BuiltStep] = None  # a step before in_flight, not read yet (see _launch_ahead)
         self._overwritten_cached: list[int] = []  # cached free blocks the open transaction writes over
@@ -118,7 +118,7 @@ class StepPipeline:
         self.scheduler.start_over()
         self.blocks.forget_cached()
         for runner in self.runners:
-            runner.reset_pools()
+            runner.kv.reset()
 
     def transaction(self, work: Callable[[SwapHandles], Optional[BuiltStep]]) -> Optional[BuiltStep]:
         """Run ``work`` so that an exception undoes all it did; on success, count its chunks as computed.
@@ -131,12 +131,12 @@ class StepPipeline:
         self._overwritten_cached = []
         self.scheduler.begin()
         for runner in self.runners:
-            runner.begin()
+            runner.kv.begin()
         try:
             built = work(handles)
         except BaseException:
             for runner in self.runners:
-                runner.rollback()
+                runner.kv.rollback()
             self.scheduler.rollback()
             self.blocks.uncache(self._overwritten_cached)
             for handle in handles.created:
@@ -146,7 +146,7 @@ class StepPipeline:
                 request.swap_handle, request.saved_state, request.num_computed = None, None, 0
             raise
         for runner in self.runners:
-            runner.commit()
+            runner.kv.commit()
         self.scheduler.commit()
         if built is not None:
             for chunk in built.chunks:  # whatever runs later on the device sees these tokens' K/V
@@ -171,31 +171,31 @@ class StepPipeline:
         start, and note the cached free blocks it overwrites (an undone step takes them out of the cache)."""
         size = self.blocks.block_size
         written = list({slot // size for chunk in plan.chunks for slots in chunk.slots for slot in slots})
-        written += [destination for _, destination in self.blocks.pending_copies]
+        written += self.blocks.copies_to_make()
         written += [block_id for block_id, _ in plan.disk_loads]
         for request in plan.swapped_in:
-            written += kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
+            written += self.blocks.live_blocks(request.tables, request.num_computed)
         held, cached = self.blocks.held_before(written)
         for runner in self.runners:
-            runner.protect(held)
+            runner.kv.protect(held)
         self._overwritten_cached += cached
 
     def _prepare(self, plan: StepPlan, handles: SwapHandles) -> None:
         """Before the forward pass: swap preempted requests out and resumed ones in, copy, load from disk."""
         for request, old_tables in plan.preempted:
-            kept = kv_groups.live_blocks(self.blocks, old_tables, request.num_computed)
+            kept = self.blocks.live_blocks(old_tables, request.num_computed)
             handle = self.swap.swap_out(kept, self.swapped)
             if handle is None:
                 request.num_computed = 0
             else:
                 handles.created.append(handle)
             request.swap_handle = handle
-            if self.runner.states:  # the recurrent state goes with the K/V (or is computed again with them)
+            if self.runner.kv.states:  # the recurrent state goes with the K/V (or is computed again with them)
                 request.saved_state = self._save_state(request) if handle is not None else None
-                self.runner.states.release(request.request_id)
+                self.runner.kv.states.release(request.request_id)
         self._copy_blocks()
         for request in plan.swapped_in:
-            blocks = kv_groups.live_blocks(self.blocks, request.tables, request.num_computed)
+            blocks = self.blocks.live_blocks(request.tables, request.num_computed)
             try:
                 self.swap.swap_in(request.swap_handle, blocks, self.swapped)
             except Exception:
@@ -203,12 +203,12 @@ class StepPipeline:
                 raise
             handles.consumed.append(request.swap_handle)
             request.swap_handle = None
-            if self.runner.states:
-                self.runner.states.write(request.request_id, [device(a, dtype) for a, dtype in request.saved_state])
+            if self.runner.kv.states:
+                self.runner.kv.states.write(request.request_id, [device(a, dtype) for a, dtype in request.saved_state])
                 request.saved_state = None
         if plan.disk_loads:  # blocks found in the disk tier: their K/V go in before the forward pass
             arrays = zip(*(data for _, data in plan.disk_loads))
-            self.runner.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
+            self.runner.kv.write_blocks([block_id for block_id, _ in plan.disk_loads], [mx.concatenate(a) for a in arrays])
 
     def _build(self, chunks: list[ScheduledChunk], input_tokens: Optional[mx.array] = None) -> BuiltStep:
         """Build a forward pass and, unless it is constrained, its sampling (lazy arrays: ``launch`` starts
@@ -320,8 +320,7 @@ class StepPipeline:
         for request in launched.filled:
             if not request.finished:  # finished: aborted, or stopped while this step ran
                 token_ids = request.token_ids + accepted.get(request.request_id, [])
-                for seq in request.tables:
-                    self.blocks.cache_full_blocks(seq, token_ids, request.num_computed)
+                self.blocks.cache_full_blocks(request.tables, token_ids, request.num_computed)
         for row, (request, token) in enumerate(zip(launched.sampled, tokens)):
             if not request.finished and row not in rejected:
                 self.deliver(request, token, token_logprobs.get(row))
@@ -337,7 +336,7 @@ class StepPipeline:
             if request.finished:
                 continue
             request.num_computed -= len(draft) + 1 - len(taken)  # the last taken token is computed next step
-            kv_groups.truncate(self.blocks, request.tables, request.num_computed)
+            self.blocks.truncate(request.tables, request.num_computed)
             accepted[request.request_id] = taken[:-1]
             self.speculator.record(request, len(draft), len(taken) - 1)
         return rejected, accepted
@@ -361,7 +360,7 @@ class StepPipeline:
                 return False
             if request.num_tokens + 1 >= request.max_total_tokens:
                 return False
-        needed = sum(kv_groups.blocks_needed(self.blocks, r.tables, r.num_computed, 1) for r in sampled)
+        needed = sum(self.blocks.blocks_needed(r.tables, r.num_computed, 1) for r in sampled)
         return needed <= self.blocks.num_free_blocks
 
     def run_ahead(self, launched: BuiltStep) -> None:
@@ -426,8 +425,8 @@ class StepPipeline:
                 request.output_token_ids.pop()  # apply appends the real token (or stops)
 
     def _save_state(self, request: Request) -> list:
-        """Host copies of a running request's recurrent state, for ``runner.states.write``."""
-        state = self.runner.states.read(request.request_id)
+        """Host copies of a running request's recurrent state, for ``runner.kv.states.write``."""
+        state = self.runner.kv.states.read(request.request_id)
         mx.eval(state)
         return [(host(a), a.dtype) for a in state]
 
@@ -435,4 +434,4 @@ class StepPipeline:
         copies = self.blocks.take_copies()
         if copies:
             for runner in self.runners:
-                runner.copy_blocks(copies)
+                runner.kv.copy_blocks(copies)

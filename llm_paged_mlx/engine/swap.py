@@ -1,8 +1,8 @@
 """Swap policies: what happens to a preempted request's K/V.
 
-``swap_out(blocks, runner)`` runs when a request is preempted, before its
+``swap_out(blocks, pools)`` runs when a request is preempted, before its
 blocks are reused, and returns a handle (or None to recompute the tokens
-later). ``swap_in(handle, blocks, runner)`` writes the kept K/V into the
+later). ``swap_in(handle, blocks, pools)`` writes the kept K/V into the
 request's new blocks when it is resumed; a failed step may undo that, so the
 handle must still work until it is released. A policy that keeps its copies
 somewhere that needs releasing (a file, say) also has ``discard(handle)``:
@@ -10,9 +10,10 @@ the engine calls it once a handle is no longer needed (swapped in by a step
 that went through, its request finished, or its preemption undone with a
 failed step).
 
-What ``runner.read_blocks`` returns is a list of arrays of any dtype (K and V,
+``pools`` are the engine's ``KVPools`` (``engine.kv_pools``; with a draft
+model, both models' as one). What ``pools.read_blocks`` returns is a list of arrays of any dtype (K and V,
 or packed values, scales and biases of quantized pools) that
-``runner.write_blocks`` takes back: a policy keeps them bit for bit and
+``pools.write_blocks`` takes back: a policy keeps them bit for bit and
 looks no further. The built-in policies:
 
 - ``recompute``: keeps nothing; the request is prefilled again.
@@ -59,10 +60,10 @@ class RecomputePolicy:
 
     name = "recompute"
 
-    def swap_out(self, blocks, runner):
+    def swap_out(self, blocks, pools):
         return None
 
-    def swap_in(self, handle, blocks, runner):
+    def swap_in(self, handle, blocks, pools):
         raise RuntimeError("recompute keeps nothing to swap in")
 
 
@@ -71,15 +72,15 @@ class CPUSwapPolicy:
 
     name = "cpu"
 
-    def swap_out(self, blocks, runner):
+    def swap_out(self, blocks, pools):
         if not blocks:
             return None
-        data = runner.read_blocks(blocks)
+        data = pools.read_blocks(blocks)
         mx.eval(data)
         return [(host(a), a.dtype) for a in data]
 
-    def swap_in(self, handle, blocks, runner):
-        runner.write_blocks(blocks, [device(a, dtype) for a, dtype in handle])
+    def swap_in(self, handle, blocks, pools):
+        pools.write_blocks(blocks, [device(a, dtype) for a, dtype in handle])
 
 
 @dataclass(eq=False)
@@ -121,10 +122,10 @@ class DiskSwapPolicy:
         self._error: Optional[BaseException] = None  # the first write error (set on the writer thread)
         self._warned = False
 
-    def swap_out(self, blocks, runner):
+    def swap_out(self, blocks, pools):
         if not blocks:
             return None
-        data = runner.read_blocks(blocks)
+        data = pools.read_blocks(blocks)
         nbytes = sum(a.nbytes for a in data)
         if self.used_bytes + nbytes > self.budget_bytes:
             return None
@@ -140,12 +141,12 @@ class DiskSwapPolicy:
         self._warn_failed()
         return handle
 
-    def swap_in(self, handle: SwapFile, blocks, runner):
+    def swap_in(self, handle: SwapFile, blocks, pools):
         self._warn_failed()
         arrays = handle.arrays  # one read: the writer drops it once the file is whole
         if arrays is None:
             arrays = self._read(handle)
-        runner.write_blocks(blocks, [device(a, dtype) for a, (_, _, dtype) in zip(arrays, handle.layout)])
+        pools.write_blocks(blocks, [device(a, dtype) for a, (_, _, dtype) in zip(arrays, handle.layout)])
 
     def discard(self, handle: SwapFile):
         if handle.discarded:
@@ -256,26 +257,26 @@ class AutoSwapPolicy:
         self.recompute_tokens = recompute_tokens
         self.tiers = {"recompute": RecomputePolicy(), "cpu": CPUSwapPolicy(), "disk": DiskSwapPolicy()}
 
-    def choose(self, blocks, runner) -> str:
+    def choose(self, blocks, pools) -> str:
         if self.tier is not None:
             return self.tier
         # A sequence of recompute_tokens tokens holds this many blocks over its tables (a windowed one, its
         # window's only).
-        if len(blocks) <= runner.groups.blocks_for(self.recompute_tokens, runner.block_size):
+        if len(blocks) <= pools.groups.blocks_for(self.recompute_tokens, pools.block_size):
             return "recompute"
         if unified_memory():
             return "disk"
-        nbytes = sum(a.nbytes for a in runner.read_blocks(blocks))  # lazy arrays: only their sizes are read
+        nbytes = sum(a.nbytes for a in pools.read_blocks(blocks))  # lazy arrays: only their sizes are read
         return "cpu" if host_has_room(nbytes) else "disk"
 
-    def swap_out(self, blocks, runner):
-        policy = self.tiers[self.choose(blocks, runner)]
-        handle = policy.swap_out(blocks, runner)
+    def swap_out(self, blocks, pools):
+        policy = self.tiers[self.choose(blocks, pools)]
+        handle = policy.swap_out(blocks, pools)
         return None if handle is None else (policy, handle)
 
-    def swap_in(self, handle, blocks, runner):
+    def swap_in(self, handle, blocks, pools):
         policy, inner = handle
-        policy.swap_in(inner, blocks, runner)
+        policy.swap_in(inner, blocks, pools)
 
     def discard(self, handle):
         policy, inner = handle

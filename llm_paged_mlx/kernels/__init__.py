@@ -1,6 +1,6 @@
 """Paged attention kernels, chosen by name from the plugin registry.
 
-A kernel is an object with:
+A kernel is an ``AttentionKernel``: it has
 
 - ``name``: the name it is registered under;
 - ``auto_priority``: an int; ``"auto"`` picks the available kernel with the highest;
@@ -9,7 +9,8 @@ A kernel is an object with:
   ``(T, Hq, 1, D)``, one row per scheduled token (see ``plan.AttentionPlan``);
   the pools are ``(num_blocks, Hkv, block_size, D)``; returns ``(T, Hq, 1, Dv)``.
 
-Optional:
+and declares what else it does by overriding the base class's defaults, which
+say it does none of this:
 
 - ``compilable = True``: ``__call__`` builds its result from MLX operations on
   its inputs alone (no evaluation, no Python branch on array values), so the
@@ -31,6 +32,8 @@ Optional:
   argument (passed when set): scores are taken as ``softcap * tanh(scores /
   softcap)`` before the mask and softmax (Gemma 2). The engine refuses such
   models with kernels without it.
+- ``in_place_writes = True``: its ``write_and_attend`` writes a step's K/V
+  into the pools in place (``kernels.in_place``).
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
   whose rows are the keys and whose first ``value_dim`` values are the values;
@@ -41,34 +44,32 @@ Only steps of single-query rows are traced: a kernel may evaluate arrays while
 it serves prefill chunks (the portable kernel does, to bound their memory).
 """
 
-from typing import Protocol
-
 import mlx.core as mx
 
 from .. import plugins
+from .base import AttentionKernel
 from .plan import AttentionPlan, PrefillChunk
-
-
-class AttentionKernel(Protocol):
-    name: str
-    auto_priority: int
-
-    def is_available(self) -> bool: ...
-
-    def __call__(self, queries, k_pool, v_pool, plan: AttentionPlan, scale: float) -> mx.array: ...
 
 
 def select_kernel(name: str = "auto") -> AttentionKernel:
     """The kernel registered as ``name``, or for ``"auto"`` the best available one."""
     registry = plugins.attention_kernels()
     if name != "auto":
-        kernel = plugins.lookup("attention kernel", registry, name)()
+        kernel = _made(name, plugins.lookup("attention kernel", registry, name))
         if not kernel.is_available():
             raise ValueError(f"attention kernel {name!r} cannot run on {mx.default_device()}")
         return kernel
-    kernels = [factory() for factory in registry.values()]
+    kernels = [_made(name, factory) for name, factory in registry.items()]
     available = [k for k in kernels if k.is_available()]
     return max(available, key=lambda k: k.auto_priority)
+
+
+def _made(name: str, factory) -> AttentionKernel:
+    kernel = factory()
+    if not isinstance(kernel, AttentionKernel):
+        raise ValueError(f"attention kernel {name!r} is a {type(kernel).__name__}, not an "
+                         "llm_paged_mlx.kernels.AttentionKernel: a kernel subclasses it")  # fmt: skip
+    return kernel
 
 
 __all__ = ["AttentionKernel", "AttentionPlan", "PrefillChunk", "select_kernel"]

@@ -39,6 +39,7 @@ from . import self_check
 from .dialect import CUDA, METAL, Dialect, KernelSource, build, read_template, render
 from .in_place import InPlaceWrites
 from .latent import LatentKernels
+from .base import AttentionKernel
 from .plan import AttentionPlan, PrefillChunk, window_tables
 from .portable import PortableKernel, chunk_own_rows, decode_attention, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
@@ -90,7 +91,54 @@ def quantization(k_pool, v_pool) -> tuple[int | None, int | None] | None:
     return None, None
 
 
-class FusedKernel:
+def _visible_slots(tables, context_lens, window, num_blocks: int, block_size: int):
+    """The self-check's tables (null blocks where a ``window`` no longer reaches) and the pool slots rows see."""
+    rows, width = tables.shape
+    positions = mx.arange(width * block_size).reshape(1, width, block_size)
+    seen = positions < context_lens[:, None, None]
+    if window is not None:
+        seen = seen & (positions >= context_lens[:, None, None] - window)
+        # What a windowed table holds: the null block where the window no longer reaches
+        tables = mx.where(seen.any(axis=2), tables, 0)
+    visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
+    visible[tables.reshape(-1)] = seen.reshape(rows * width, 1, block_size, 1)
+    visible[0] = False
+    return tables, visible
+
+
+def _hide_own_slots(tables, context_lens, visible):
+    """Each row's own slot (its last position) in the flattened pools, and ``visible`` with those slots hidden."""
+    num_blocks, _, block_size, _ = visible.shape
+    own_blocks = tables[mx.arange(tables.shape[0]), (context_lens - 1) // block_size]
+    own_slots = own_blocks * block_size + (context_lens - 1) % block_size
+    flat_slots = mx.zeros((num_blocks * block_size,), mx.bool_)
+    flat_slots[own_slots] = True
+    return own_slots, visible & ~flat_slots.reshape(num_blocks, 1, block_size, 1)
+
+
+def _slot_rows(pool, slots):
+    """The K/V rows ``(n, kv_heads, D)`` of a pool ``(blocks, kv_heads, block_size, D)`` at flattened ``slots``."""
+    _, kv_heads, _, dim = pool.shape
+    return pool.swapaxes(1, 2).reshape(-1, kv_heads, dim)[slots]
+
+
+def _poison(pool, visible):
+    """A pool with NaN at every slot not ``visible`` (of a quantized pool: NaN scales)."""
+    if isinstance(pool, QuantizedPool):
+        return QuantizedPool(pool.data, mx.where(visible, pool.scales, mx.nan), pool.biases, pool.bits, pool.group_size)
+    return mx.where(visible, pool, mx.nan)
+
+
+def _reference(queries, k_pool, v_pool, tables, context_lens, scale: float, window, sinks, softcap) -> mx.array:
+    """The self-check's reference: ``decode_attention`` in float32 over the pools' values (dequantized)."""
+    k_ref, v_ref = (p.dequantize(mx.float32) if isinstance(p, QuantizedPool) else p.astype(mx.float32)
+                    for p in (k_pool, v_pool))  # fmt: skip
+    ref_sinks = None if sinks is None else sinks.astype(mx.float32)
+    return decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale, window, ref_sinks,
+                            softcap=softcap)  # fmt: skip
+
+
+class FusedKernel(AttentionKernel):
     """Paged attention with the fused decode kernels of one dialect."""
 
     name: str
@@ -262,20 +310,8 @@ class FusedKernel:
             self._checked[key] = self._self_check(*key[1:])
         return self._checked[key]
 
-    def decode(
-        self,
-        queries,
-        k_pool,
-        v_pool,
-        block_tables,
-        context_lens,
-        scale: float,
-        window=None,
-        sinks=None,
-        softcap=None,
-        table_starts=None,
-        new_rows=None,
-    ) -> mx.array:
+    def decode(self, queries, k_pool, v_pool, block_tables, context_lens, scale: float, window=None, sinks=None,
+               softcap=None, table_starts=None, new_rows=None) -> mx.array:  # fmt: skip
         """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables, each
         query over its last ``window`` tokens if given, with ``sinks`` and ``softcap`` as ``__call__``
         takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
@@ -298,48 +334,38 @@ class FusedKernel:
             pools = [k_pool, v_pool, *(new_rows or [])]
         lens = context_lens.astype(mx.int32)
         one = parts == 1  # the partition kernel writes the output itself
-        if window is None:
-            starts = self._unused
-        elif table_starts is None:  # tables from each sequence's first block
-            starts = mx.zeros((rows,), mx.int32)
-        else:
-            starts = table_starts.astype(mx.int32)
-        masking = [
-            ("WINDOW", window or 0),
-            ("SINKS", sinks is not None),
-            ("SOFTCAP", softcap is not None),
-        ]
+        starts = self._table_starts(rows, window, table_starts)
+        masking = [("WINDOW", window or 0), ("SINKS", sinks is not None), ("SOFTCAP", softcap is not None)]
         # float32 whatever the model's dtype: MLX's CUDA backend keys compiled kernels by name and template
         # values, not by the dtypes of inputs that are not a template value
         sinks = self._unused if sinks is None else sinks.astype(mx.float32)
         part_out, part_m, part_l = partition(
             inputs=[queries, *pools, block_tables.astype(mx.int32), lens, starts, sinks, self._params(scale, softcap)],
-            template=[
-                ("T", dtype),
-                ("D", dim),
-                ("BS", block_size),
-                ("REP", rep),
-                ("HPG", heads_per_group),
-                ("PART", part),
-                ("NW", self.warps),
-                ("ONE", one),
-                *masking,
-            ],
-            grid=(parts * threads, kv_heads * groups, rows),
-            threadgroup=(threads, 1, 1),
+            template=[("T", dtype), ("D", dim), ("BS", block_size), ("REP", rep), ("HPG", heads_per_group),
+                      ("PART", part), ("NW", self.warps), ("ONE", one), *masking],
+            grid=(parts * threads, kv_heads * groups, rows), threadgroup=(threads, 1, 1),
             output_shapes=[(rows, q_heads, parts, dim)] + [(1,) if one else (rows, q_heads, parts)] * 2,
             output_dtypes=[dtype if one else mx.float32, mx.float32, mx.float32],
             init_value=self.init_value,
         )
-        if one:
-            return part_out
+        return part_out if one else self._merge(reduce, [part_out, part_m, part_l], lens, starts, sinks, masking, dtype)
+
+    def _table_starts(self, rows: int, window, table_starts) -> mx.array:
+        """The kernels' ``table_starts`` input: without a window a stand-in, else each table's first position."""
+        if window is None:
+            return self._unused
+        if table_starts is None:  # tables from each sequence's first block
+            return mx.zeros((rows,), mx.int32)
+        return table_starts.astype(mx.int32)
+
+    def _merge(self, reduce, partials, lens, starts, sinks, masking, dtype) -> mx.array:
+        """The reduce kernel: each row's partitions (the partition kernel's outputs) merged, in ``dtype``."""
+        rows, q_heads, _, dim = partials[0].shape
         (out,) = reduce(
-            inputs=[part_out, part_m, part_l, lens, starts, sinks],
-            template=[("T", dtype), ("D", dim), ("PART", part), *masking],
-            grid=(dim, q_heads, rows),
-            threadgroup=(dim, 1, 1),
-            output_shapes=[(rows, q_heads, 1, dim)],
-            output_dtypes=[dtype],
+            inputs=[*partials, lens, starts, sinks],
+            template=[("T", dtype), ("D", dim), ("PART", self.partition_size), *masking],
+            grid=(dim, q_heads, rows), threadgroup=(dim, 1, 1),
+            output_shapes=[(rows, q_heads, 1, dim)], output_dtypes=[dtype],
             init_value=self.init_value,
         )
         return out
@@ -381,21 +407,9 @@ class FusedKernel:
             TOLERANCE[dtype],
         )
 
-    def check_error(
-        self,
-        dtype,
-        dim: int,
-        block_size: int,
-        rep: int,
-        kv_heads: int = 2,
-        one_partition=False,
-        bits: int | None = None,
-        group_size: int | None = 64,
-        window: int | None = None,
-        sinks: bool = False,
-        softcap: bool = False,
-        new: bool = False,
-    ) -> float:
+    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2, one_partition=False,
+                    bits: int | None = None, group_size: int | None = 64, window: int | None = None,
+                    sinks: bool = False, softcap: bool = False, new: bool = False) -> float:  # fmt: skip
         """Relative error of ``decode`` against the portable kernel (float32) on random inputs.
 
         Rows of 1, a block and a bit, and several partitions' worth of tokens
@@ -416,29 +430,17 @@ class FusedKernel:
             lens.append(window + self.partition_size + block_size + 5)
         rows, width = len(lens), -(-max(lens) // block_size)
         num_blocks = rows * width + 1
-        key = mx.random.key(0)
-        kq, kk, kv, kp, ks = mx.random.split(key, 5)
+        kq, kk, kv, kp, ks = mx.random.split(mx.random.key(0), 5)
         queries = mx.random.normal((rows, kv_heads * rep, 1, dim), key=kq).astype(dtype)
         k_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kk).astype(dtype)
         v_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kv).astype(dtype)
         tables = (mx.random.permutation(num_blocks - 1, key=kp) + 1).reshape(rows, width).astype(mx.int32)
         context_lens = mx.array(lens, mx.int32)
-        positions = mx.arange(width * block_size).reshape(1, width, block_size)
-        seen = positions < context_lens[:, None, None]
-        if window is not None:
-            seen = seen & (positions >= context_lens[:, None, None] - window)
-            # What a windowed table holds: the null block where the window no longer reaches
-            tables = mx.where(seen.any(axis=2), tables, 0)
-        visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
-        visible[tables.reshape(-1)] = seen.reshape(rows * width, 1, block_size, 1)
-        visible[0] = False
+        tables, visible = _visible_slots(tables, context_lens, window, num_blocks, block_size)
+        own = None
         if new:  # each row's own slot, NaN in the pools: read from new_rows
-            own_blocks = tables[mx.arange(rows), (context_lens - 1) // block_size]
-            own_slots = own_blocks * block_size + (context_lens - 1) % block_size
-            flat_slots = mx.zeros((num_blocks * block_size,), mx.bool_)
-            flat_slots[own_slots] = True
-            visible = visible & ~flat_slots.reshape(num_blocks, 1, block_size, 1)
-            own_rows = [p.swapaxes(1, 2).reshape(-1, kv_heads, dim)[own_slots] for p in (k_pool, v_pool)]
+            own_slots, visible = _hide_own_slots(tables, context_lens, visible)
+            own = own_slots, [_slot_rows(p, own_slots) for p in (k_pool, v_pool)]
         scale = dim**-0.5
         sink_logits = mx.random.normal((kv_heads * rep,), key=ks).astype(dtype) if sinks else None
         cap = 1.5 if softcap else None
@@ -446,17 +448,8 @@ class FusedKernel:
             k_pool, v_pool = (
                 QuantizedPool(*mx.quantize(x, group_size, bits), bits, group_size) for x in (k_pool, v_pool)
             )
-            poisoned = [
-                QuantizedPool(p.data, mx.where(visible, p.scales, mx.nan), p.biases, bits, group_size)
-                for p in (k_pool, v_pool)
-            ]
-            k_ref, v_ref = k_pool.dequantize(mx.float32), v_pool.dequantize(mx.float32)
-        else:
-            poisoned = [mx.where(visible, p, mx.nan) for p in (k_pool, v_pool)]
-            k_ref, v_ref = k_pool.astype(mx.float32), v_pool.astype(mx.float32)
-        ref_sinks = None if sink_logits is None else sink_logits.astype(mx.float32)
-        ref = decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale, window, ref_sinks,
-                               softcap=cap)  # fmt: skip
+        poisoned = [_poison(p, visible) for p in (k_pool, v_pool)]
+        ref = _reference(queries, k_pool, v_pool, tables, context_lens, scale, window, sink_logits, cap)
         # Whole tables, and tables narrowed to the window as the engine narrows them
         layouts = [(tables, None)]
         if window is not None:
@@ -465,16 +458,22 @@ class FusedKernel:
         errors = []
         for table, starts in layouts:
             if new:  # fresh pools for each run: the kernel writes into them
-                poisoned = [mx.where(visible, p, mx.nan) for p in (k_pool, v_pool)]
+                poisoned = [_poison(p, visible) for p in (k_pool, v_pool)]
                 mx.eval(poisoned)
-            given = {"new_rows": own_rows} if new else {}
-            out = self.decode(queries, *poisoned, table, context_lens, scale, **masking, table_starts=starts, **given)
-            errors.append(mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max())
-            if new:  # written in place: the pools now hold the rows' own K/V
-                written = [p.swapaxes(1, 2).reshape(-1, kv_heads, dim)[own_slots] for p in poisoned]
-                errors += [mx.abs(w - r).astype(mx.float32).max() for w, r in zip(written, own_rows)]
+            errors += self._run_errors(queries, poisoned, table, starts, context_lens, scale, masking, ref, own)
         values = [e.item() for e in errors]
         return float("nan") if any(v != v for v in values) else max(values)  # max() may pass over a NaN
+
+    def _run_errors(self, queries, pools, table, starts, context_lens, scale: float, masking, ref, own) -> list:
+        """One ``decode`` run's errors: of its output, and (given ``own``, the rows' slots and K/V) of what it wrote."""
+        given = {"new_rows": own[1]} if own is not None else {}
+        out = self.decode(queries, *pools, table, context_lens, scale, **masking, table_starts=starts, **given)
+        errors = [mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()]
+        if own is not None:  # written in place: the pools now hold the rows' own K/V
+            own_slots, own_rows = own
+            written = [_slot_rows(p, own_slots) for p in pools]
+            errors += [mx.abs(w - r).astype(mx.float32).max() for w, r in zip(written, own_rows)]
+        return errors
 
 
 class CudaKernel(FusedKernel):

@@ -15,6 +15,7 @@ tokens' K/V taken at full precision from the step's rows.
 
 import mlx.core as mx
 
+from .base import AttentionKernel
 from .plan import AttentionPlan
 from .quantized import QuantizedPool, block_values, own_rows
 
@@ -31,7 +32,7 @@ FUSED_PREFILL_DIMS = (64, 80, 128)
 FUSED_PREFILL_DTYPES = (mx.float16, mx.bfloat16)
 
 
-class PortableKernel:
+class PortableKernel(AttentionKernel):
     """Block-table attention from MLX primitives (the reference for fused kernels)."""
 
     name = "portable"
@@ -340,38 +341,21 @@ def decode_attention(
     on_cpu = mx.default_device() == mx.cpu
     if isinstance(k_pool, QuantizedPool) or (on_cpu and v_pool.dtype != mx.float32):
         # Take the blocks the rows use as values: the CPU gather_mm only takes float32.
-        used = block_tables.reshape(-1)
         dtype = mx.float32 if on_cpu else v_pool.dtype
-        same = v_pool is k_pool  # MLA's latent rows: one pool
-        k_pool = block_values(k_pool, used, dtype)
-        v_pool = k_pool if same else block_values(v_pool, used, dtype)
-        block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
-        out = decode_attention(
-            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+        return _decode_block_values(
+            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype
         )
-        return out.astype(queries.dtype)
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
     width = block_tables.shape[1]
     dv = v_pool.shape[-1]
     if rep > MAX_GATHER_ROWS and k_pool.dtype == mx.float32:  # each KV head's query heads, a slice at a time
-        grouped = queries.reshape(rows, kv_heads, rep, dim)
-        grouped_sinks = None if sinks is None else sinks.reshape(kv_heads, rep)
-        parts = []
-        for s in range(0, rep, MAX_GATHER_ROWS):
-            q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
-            part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
-            part = decode_attention(
-                q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start, softcap
-            )
-            parts.append(part.reshape(rows, kv_heads, -1, dv))
-        return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
+        return _decode_head_slices(
+            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+        )
 
     q = (queries * scale).astype(k_pool.dtype).reshape(rows * kv_heads, rep, dim)
-    heads = mx.arange(kv_heads, dtype=mx.int32)
-    pairs = mx.arange(rows, dtype=mx.int32)[:, None] * kv_heads + heads
-    q_index = mx.broadcast_to(pairs[:, :, None], (rows, kv_heads, width))
-    kv_index = block_tables[:, None, :] * kv_heads + heads[None, :, None]  # (R, H, W)
+    q_index, kv_index = _gather_indices(block_tables, kv_heads)
     keys = k_pool.reshape(num_blocks * kv_heads, block_size, dim).swapaxes(1, 2)
     values = v_pool.reshape(num_blocks * kv_heads, block_size, dv)
     step = max(1, MAX_GATHER_PRODUCTS // (rows * kv_heads))
@@ -382,6 +366,62 @@ def decode_attention(
     kv_index = [mx.contiguous(kv_index[:, :, c]) for c in chunks]
     scores = [mx.gather_mm(q, keys, qi, ki) for qi, ki in zip(q_index, kv_index)]
     scores = (scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=2)).astype(mx.float32)
+    probs, total = _softmax_terms(scores, context_lens, window, sinks, table_start, softcap)
+    out = _weighted_values(probs, total, values, chunks, kv_index)
+    return out.reshape(rows, q_heads, 1, dv)
+
+
+def _decode_block_values(
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype
+):
+    """``decode_attention`` over the blocks the rows use, taken from the pools as values in ``dtype``."""
+    used = block_tables.reshape(-1)
+    same = v_pool is k_pool  # MLA's latent rows: one pool
+    k_pool = block_values(k_pool, used, dtype)
+    v_pool = k_pool if same else block_values(v_pool, used, dtype)
+    block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
+    out = decode_attention(
+        queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+    )
+    return out.astype(queries.dtype)
+
+
+def _decode_head_slices(
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+):
+    """``decode_attention`` of each KV head's query heads ``MAX_GATHER_ROWS`` at a time."""
+    rows, q_heads, _, dim = queries.shape
+    kv_heads = k_pool.shape[1]
+    rep = q_heads // kv_heads
+    dv = v_pool.shape[-1]
+    grouped = queries.reshape(rows, kv_heads, rep, dim)
+    grouped_sinks = None if sinks is None else sinks.reshape(kv_heads, rep)
+    parts = []
+    for s in range(0, rep, MAX_GATHER_ROWS):
+        q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
+        part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
+        part = decode_attention(
+            q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start, softcap
+        )
+        parts.append(part.reshape(rows, kv_heads, -1, dv))
+    return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
+
+
+def _gather_indices(block_tables, kv_heads: int):
+    """``mx.gather_mm``'s indices ``(R, H, W)`` for each (row, KV head, table entry): of the row's queries of that
+    head in ``(R * H, rep, D)``, and of the block's K/V of that head in ``(num_blocks * H, ...)``."""
+    rows, width = block_tables.shape
+    heads = mx.arange(kv_heads, dtype=mx.int32)
+    pairs = mx.arange(rows, dtype=mx.int32)[:, None] * kv_heads + heads
+    q_index = mx.broadcast_to(pairs[:, :, None], (rows, kv_heads, width))
+    kv_index = block_tables[:, None, :] * kv_heads + heads[None, :, None]  # (R, H, W)
+    return q_index, kv_index
+
+
+def _softmax_terms(scores, context_lens, window, sinks, table_start, softcap):
+    """The softmax of scores ``(R, H, W, rep, bs)`` over the keys each row sees, before normalisation:
+    ``exp(scores - peak)``, and its sum ``(R, H, rep, 1)`` with the sinks' terms."""
+    rows, kv_heads, width, rep, block_size = scores.shape
     if softcap is not None:
         scores = mx.tanh(scores / softcap) * softcap
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
@@ -397,13 +437,18 @@ def decode_attention(
     total = probs.sum(axis=(2, 4))[..., None]  # (R, H, rep, 1)
     if sinks is not None:
         total = total + mx.exp(sink - peak).reshape(rows, kv_heads, rep, 1)
-    probs = probs.astype(v_pool.dtype)
+    return probs, total
 
+
+def _weighted_values(probs, total, values, chunks, kv_index):
+    """The values of each row's blocks weighted by ``probs`` (``gather_mm`` per chunk of the table), summed
+    and divided by ``total``: ``(R, H, rep, Dv)`` in the values' dtype."""
+    rows, kv_heads, _, rep, block_size = probs.shape
+    probs = probs.astype(values.dtype)
     out = None
     for c, ki in zip(chunks, kv_index):
         flat = mx.contiguous(probs[:, :, c]).reshape(-1, rep, block_size)
         index = mx.arange(flat.shape[0], dtype=mx.int32).reshape(rows, kv_heads, -1)
         part = mx.gather_mm(flat, values, index, ki).sum(axis=2)  # (R, H, rep, Dv)
         out = part if out is None else out + part
-    out = (out.astype(mx.float32) / total).astype(v_pool.dtype)
-    return out.reshape(rows, q_heads, 1, dv)
+    return (out.astype(mx.float32) / total).astype(values.dtype)

@@ -3,22 +3,32 @@
 ``check_model`` refuses a model the paged engine cannot serve (with the reason),
 routes its attention through the hook (``paged_cache``), runs one token
 through mlx-lm's own path to see what each layer caches and how it attends,
-and returns the layout of each cache the model takes: K/V rows, MLA latent
-rows, or a recurrent state.
+and returns the model's ``ModelSpec``: the layout of each cache the model takes
+(K/V rows, MLA latent rows, or a recurrent state) and what else the engine
+reads of it. The engine, the runner and the checks read the spec, not the model. ``adapt_model`` then changes how its linear layers
+run, with the same results.
 """
 
 import inspect
 import sys
 import threading
+from dataclasses import dataclass
+from typing import Optional
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
-from .paged_cache import LayerLayout, install_attention_hook, paged_scaled_dot_product_attention
+from .merged_projections import merge_projections
+from .attention_hook import install_attention_hook, paged_scaled_dot_product_attention
+from .paged_cache import LayerLayout
+from .quantized_rows import fold_quantized_rows
 from .softcapped import ADAPTED, adapt_attention
 from .state_cache import StateLayout
 
+# mlx-lm modules whose Model.__call__ is exactly "body, then tied embedding or lm_head" (mistral runs as
+# llama): for their Model, not a subclass that may call otherwise, only sampled rows go through the head.
+_BODY_THEN_HEAD = {"mlx_lm.models.llama", "mlx_lm.models.qwen2", "mlx_lm.models.qwen3"}
 # Architectures whose RoPE positions are built with arange(offset): a per-row offset breaks them.
 _ARANGE_POSITION_MODELS = {"gpt_bigcode", "llama4"}
 _SDPA_SIGNATURE = inspect.signature(paged_scaled_dot_product_attention)  # mlx-lm's, whose calls it takes
@@ -34,9 +44,39 @@ def architecture(model: nn.Module) -> str:
     return getattr(model_config(model), "model_type", None) or type(model).__module__.split(".")[-1]
 
 
-def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
-    """The layout of each cache the model takes (``CacheList`` members in order): K/V for attention
-    layers, state for recurrent ones; or a ValueError saying why the model is not supported."""
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine serves of a model (``check_model``'s)."""
+
+    architecture: str
+    caches: tuple[LayerLayout | StateLayout, ...]  # one per cache the model takes, in order
+    softcapped: bool  # its attention scores are softcapped (``softcapped``)
+    projects_sampled_rows_only: bool  # steps may put only the rows they sample through the vocabulary projection
+    vocab_size: Optional[int]
+    max_context: Optional[int]  # its max_position_embeddings
+
+    @property
+    def attention(self) -> list[LayerLayout]:
+        """The attention layers' layouts (K/V or MLA latents)."""
+        return [layout for layout in self.caches if isinstance(layout, LayerLayout)]
+
+    @property
+    def states(self) -> list[StateLayout]:
+        """The recurrent layers' layouts."""
+        return [layout for layout in self.caches if isinstance(layout, StateLayout)]
+
+    @property
+    def latent(self) -> bool:
+        return any(layout.latent for layout in self.attention)
+
+    @property
+    def windowed(self) -> bool:
+        return any(layout.window for layout in self.attention)
+
+
+def check_model(model: nn.Module) -> ModelSpec:
+    """The model's spec, with the layout of each cache it takes (``CacheList`` members in order): K/V for
+    attention layers, state for recurrent ones; or a ValueError saying why the model is not supported."""
     model_type = architecture(model)
     structure = _cache_structure(model, model_type)
     labelled = [  # (how a refusal names the cache, the cache)
@@ -54,9 +94,24 @@ def check_model(model: nn.Module) -> list[LayerLayout | StateLayout]:
     except Exception as e:
         raise ValueError(f"{model_type}: mlx-lm's own forward fails: {type(e).__name__}: {e}") from e
     layouts = [_layout(model, model_type, label, cache, calls) for label, cache in labelled]
-    if any(isinstance(x, StateLayout) for x in layouts) and any(getattr(x, "latent", False) for x in layouts):
+    body_then_head = type(model).__name__ == "Model" and type(model).__module__ in _BODY_THEN_HEAD
+    spec = ModelSpec(
+        model_type, tuple(layouts), softcapped=bool(adapted), projects_sampled_rows_only=body_then_head,
+        vocab_size=getattr(model_config(model), "vocab_size", None),
+        max_context=getattr(model_config(model), "max_position_embeddings", None),
+    )  # fmt: skip
+    if spec.states and spec.latent:
         raise ValueError(f"{model_type}: multi-head latent attention beside recurrent layers is not supported yet")
-    return layouts
+    return spec
+
+
+def adapt_model(model: nn.Module) -> None:
+    """Quantized linear layers multiply a step's rows as one matrix (``quantized_rows``), and on a GPU
+    projections that read the same input run as one product (``merged_projections``: load the model again
+    to train, convert or shard it)."""
+    fold_quantized_rows(model)
+    if mx.default_device() == mx.gpu:
+        merge_projections(model)
 
 
 def model_caches(model: nn.Module, caches: list) -> list:

@@ -4,9 +4,9 @@ mlx-lm attention layers talk to their cache through a small protocol: they
 read ``cache.offset`` for RoPE, call ``cache.update_and_fetch(k, v)`` and ask
 ``cache.make_mask``; then they call ``scaled_dot_product_attention`` from
 ``mlx_lm.models.base`` with ``cache=cache``. ``PagedLayerCache`` speaks that
-protocol over one layer's K/V pool, and ``install_attention_hook`` routes the
-attention call of caches of ours to the selected paged kernel. For every other
-cache the hook calls mlx-lm's own function unchanged.
+protocol over one layer's K/V pool, and the attention hook (``attention_hook``)
+hands the attention calls of caches of ours to them, which call the selected
+paged kernel.
 
 Multi-head latent attention (DeepSeek's MLA: deepseek_v3 and the models built
 on mlx-lm's ``mla`` module) caches one latent row per token instead:
@@ -29,20 +29,17 @@ prompt chunks they decompress, one a call; ``cache.offset`` then holds each
 sequence's first position.
 """
 
-import contextlib
-import sys
 from dataclasses import dataclass
 
 import mlx.core as mx
-import mlx.nn as nn
-from mlx_lm.models import base as mlx_base
 
 from ..kernels.plan import AttentionPlan
 from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, overlay, visible_keys
 from ..kernels.quantized import QuantizedPool, check_quantization, rotate, unrotate
+from . import attention_hook
+from .attention_hook import HookedCache
 from .latent_shape import query_tile
 
-_original_sdpa = mlx_base.scaled_dot_product_attention
 # What quantization errors call the rows of a pool.
 KV_ROWS = "the model's K/V head dimension"
 LATENT_ROWS = "the width of the model's MLA rows (latent + RoPE)"
@@ -56,7 +53,7 @@ def pool_columns(dim: int, dtype: mx.Dtype, kv_bits=None, kv_group_size=64) -> l
     return [(dim * kv_bits // 32, mx.uint32), (groups, dtype), (groups, dtype)]
 
 
-class PagedLayerCache:
+class PagedLayerCache(HookedCache):
     """One attention layer's K/V pool, behind mlx-lm's cache protocol.
 
     The pool is a list of arrays with one row per (block, KV head, token):
@@ -151,8 +148,8 @@ class PagedLayerCache:
     def _write_and_attend(self, rows, scale, masking) -> mx.array | None:
         """The attention of ``rows`` by a kernel that also writes the K/V rows ``update_and_fetch`` left, in
         place (``FusedKernel.write_and_attend``), where the plan allows it; None if it cannot."""
-        write_and_attend = getattr(self.kernel, "write_and_attend", None)
-        if self._pending is None or write_and_attend is None or not self.plan.in_place or _float32_attention:
+        write_and_attend = self.kernel.write_and_attend
+        if self._pending is None or write_and_attend is None or not self.plan.in_place or attention_hook.in_float32():
             return None
         out = write_and_attend(rows, *self.arrays, *self._pending, self.plan, self.shape, scale, **masking)
         if self.plan.one_token_per_sequence:
@@ -191,15 +188,18 @@ class PagedLayerCache:
     def make_mask(self, *args, **kwargs):
         return None
 
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        return self.attend(queries, scale, sinks)
+
     def attend(self, queries, scale, sinks=None, softcap=None):
         """The kernel's attention of ``queries`` over this layer's pool (``sinks``, ``softcap``: see
         ``kernels``)."""
         dtype = queries.dtype
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
-        if sinks is not None and not getattr(self.kernel, "windowed", False):
+        if sinks is not None and not self.kernel.windowed:
             raise ValueError(f"attention kernel {self.kernel.name!r} does not take attention sinks")
         if softcap is not None:
-            if not getattr(self.kernel, "softcapped", False):
+            if not self.kernel.softcapped:
                 raise ValueError(f"attention kernel {self.kernel.name!r} does not take softcapped scores")
             window_and_sinks["softcap"] = softcap
         rows = self.plan.as_rows(queries)
@@ -209,7 +209,7 @@ class PagedLayerCache:
         if out is None:
             self.write_pending()
             pools = [a.reshape(*self.shape, -1) for a in self.arrays]
-            if _float32_attention and self.bits is None:
+            if attention_hook.in_float32() and self.bits is None:
                 rows, pools = rows.astype(mx.float32), [p.astype(mx.float32) for p in pools]
             k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
             out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
@@ -298,11 +298,18 @@ class PagedLatentCache(PagedLayerCache):
         pools = [a.reshape(*self.shape, -1) for a in self.arrays]
         return pools[0] if self.bits is None else self._quantized_pools(pools)[0]
 
+    def attention(self, queries, keys, values, scale, mask, sinks=None):
+        if sinks is not None:
+            raise ValueError("attention sinks with multi-head latent attention are not supported by the paged engine")
+        if self.plan.sequence_rows is not None:
+            return self.attend_sequence(queries, keys, values, scale, mask)
+        return self.attend(queries, mask, scale)
+
     def attend(self, queries, rope_queries, scale):
         """``queries`` ``(T, H, 1, latent_dim)`` absorbed, ``rope_queries`` ``(T, H, 1, rope_dim)`` already
         scaled; returns ``(T, H, 1, latent_dim)``, the attention output in latent space."""
         pool, dtype = self._pool(), queries.dtype
-        if _float32_attention and self.bits is None:
+        if attention_hook.in_float32() and self.bits is None:
             queries, pool = queries.astype(mx.float32), pool.astype(mx.float32)
         rows = mx.concatenate([queries * scale, rope_queries.astype(queries.dtype)], axis=-1)
         if self.rotated:  # see PagedLayerCache.attend; the output, a sum of rotated rows, is rotated back
@@ -328,63 +335,15 @@ class PagedLatentCache(PagedLayerCache):
             mask = mx.where(causal, mask, mx.array(mx.finfo(mask.dtype).min, mask.dtype))
         dtype, heads, widths = queries.dtype, queries.shape[1], keys.shape[-1] + values.shape[-1]
         tile = max(1, query_tile(heads, length, context, widths, dtype, PREFILL_ATTENTION_BYTES))
-        if _float32_attention:
+        if attention_hook.in_float32():
             queries, keys, values = (x.astype(mx.float32) for x in (queries, keys, values))
             mask = mask if mask.dtype == mx.bool_ else mask.astype(mx.float32)
         outs = []
         for start in range(0, length, tile):
             rows = slice(start, start + tile)
-            outs.append(_original_sdpa(queries[:, :, rows], keys, values, cache=None, scale=scale, mask=mask[..., rows, :]))
+            outs.append(attention_hook.original_sdpa(queries[:, :, rows], keys, values, cache=None, scale=scale, mask=mask[..., rows, :]))
             mx.eval(outs[-1])  # tile by tile and layer by layer (as PagedLayerCache.attend), within the budget
         return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).astype(dtype)
-
-
-_float32_attention = False  # see float32_attention()
-
-
-@contextlib.contextmanager
-def float32_attention():
-    """Within it, attention runs on float32 copies of its inputs: mlx-lm's own, and the paged kernels over
-    full-precision pools.
-
-    The model check measures with it how much rounding inside attention moves a model's logits, and
-    compares the two paths with that rounding taken out.
-    """
-    global _float32_attention
-    _float32_attention = True
-    try:
-        yield
-    finally:
-        _float32_attention = False
-
-
-def paged_scaled_dot_product_attention(queries, keys, values, cache, scale, mask, sinks=None):
-    """mlx-lm's attention entry point, sending paged caches to their kernel."""
-    if isinstance(cache, PagedLatentCache):
-        if sinks is not None:
-            raise ValueError("attention sinks with multi-head latent attention are not supported by the paged engine")
-        if cache.plan.sequence_rows is not None:
-            return cache.attend_sequence(queries, keys, values, scale, mask)
-        return cache.attend(queries, mask, scale)
-    if isinstance(cache, PagedLayerCache):
-        return cache.attend(queries, scale, sinks)
-    if _float32_attention and queries.dtype != mx.float32:
-        q, k, v = (x.astype(mx.float32) for x in (queries, keys, values))
-        return _original_sdpa(q, k, v, cache=cache, scale=scale, mask=mask, sinks=sinks).astype(queries.dtype)
-    return _original_sdpa(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
-
-
-def install_attention_hook(model: nn.Module) -> list[str]:
-    """Route the model's attention through the hook; returns the patched module names."""
-    patched = []
-    for name in sorted({type(m).__module__ for _, m in model.named_modules()}):
-        module = sys.modules.get(name)
-        current = getattr(module, "scaled_dot_product_attention", None)
-        if current is _original_sdpa:
-            module.scaled_dot_product_attention = paged_scaled_dot_product_attention
-        if current in (_original_sdpa, paged_scaled_dot_product_attention):
-            patched.append(name)
-    return patched
 
 
 @dataclass(frozen=True)

@@ -56,10 +56,10 @@ def check_shardable(model, size: int) -> None:
                                  f"over {size} devices")  # fmt: skip
 
 
-def check_same_options(options: dict, group: mx.distributed.Group) -> None:
-    """ValueError unless every rank's engine was given the same ``options`` (their ``repr``): ranks that
-    decide differently would wait on each other for good."""
-    if len(set(every_rank(_digest(repr(sorted(options.items()))), group))) > 1:
+def check_same_config(config, group: mx.distributed.Group) -> None:
+    """ValueError unless every rank's engine was given the same ``config`` (an ``EngineConfig``: its ``repr``):
+    ranks that decide differently would wait on each other for good."""
+    if len(set(every_rank(_digest(repr(config)), group))) > 1:
         raise ValueError("the ranks of a tensor-parallel engine were given different options: every rank must "
                          "build the same engine")  # fmt: skip
 

@@ -101,17 +101,17 @@ class LeadEngine:
                 share([(STOP,)], self.group, self.doorbell)
 
 
-def announce_build(options: dict, group: mx.distributed.Group, doorbell: Optional[Callable[[], None]] = None) -> None:
-    """On rank 0, before it builds an engine for ``options``: the other ranks build theirs."""
-    share([(BUILD, options)], group, doorbell)
+def announce_build(config, group: mx.distributed.Group, doorbell: Optional[Callable[[], None]] = None) -> None:
+    """On rank 0, before it builds an engine for ``config``: the other ranks build theirs."""
+    share([(BUILD, config)], group, doorbell)
 
 
-def follow(build: Callable[[dict, object], object], group: mx.distributed.Group,
+def follow(build: Callable[[object, object], object], group: mx.distributed.Group,
            doorbell: Optional[Callable[[], None]] = None) -> None:  # fmt: skip
     """On a rank other than 0: make rank 0's engine calls on this rank's engines until rank 0 stops
     (waiting in ``doorbell``, if given, for each message).
 
-    ``build(options, weights)`` makes an engine as rank 0's does. Raises ``GroupFailed`` when the group
+    ``build(config, weights)`` makes an engine as rank 0's does. Raises ``GroupFailed`` when the group
     fails, and what the engine raised when a call that succeeded on rank 0 fails here (the ranks are then
     out of step)."""
     engine, own, lead = None, {}, {}  # rank 0's request id -> this engine's, and back
