@@ -30,15 +30,18 @@ from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # noq
 
 from llm_paged_mlx import Engine, SamplingParams  # noqa: E402
 from llm_paged_mlx.engine import model_check  # noqa: E402
-from llm_paged_mlx.engine.runner import ModelRunner  # noqa: E402
+from llm_paged_mlx.engine.kv_coordinator import KVCoordinator  # noqa: E402
+from llm_paged_mlx.engine.kv_pools import KVPools  # noqa: E402
 from llm_paged_mlx.engine.scheduler import Scheduler  # noqa: E402
 
 
 def no_journal():
     """Make the engine's transactions no-ops (what the journal costs is then missing); returns an undo."""
-    saved = [(cls, name, getattr(cls, name)) for cls in (Scheduler, ModelRunner) for name in ("begin", "commit")]
+    saved = [(cls, name, getattr(cls, name)) for cls in (Scheduler, KVPools) for name in ("begin", "commit")]
     for cls, name, _ in saved:
         setattr(cls, name, lambda self: None)
+    saved.append((KVCoordinator, "held_before", KVCoordinator.held_before))
+    KVCoordinator.held_before = lambda self, blocks: ([], [])  # with no journal no block changed hands
 
     def undo():
         for cls, name, method in saved:

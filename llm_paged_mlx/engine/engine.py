@@ -13,12 +13,12 @@ from ..kernels import select_kernel
 from ..models.adapt import adapt_model, check_model
 from ..parallel.collectives import check_same_config, shard_model
 from .block_manager import BlockManager
-from .kv_coordinator import KVCoordinator
 from .checks import check_group, check_kernel, check_speculation
 from .config import EngineConfig
 from .disk.store import KVDiskCache, KVDiskCacheWarning
 from .grammar import Grammars
 from .interrupts import HeldInterrupts
+from .kv_coordinator import KVCoordinator
 from .memory import format_size
 from .model_check import check_against_mlx_lm
 from .output import OutputText, RequestOutput, StreamChunk, TokenLogprob, joined, take_token
@@ -114,7 +114,6 @@ class Engine:
             load_prefix = functools.partial(kv_disk_cache.load_chain, layout=self._block_layout)
         self.scheduler = Scheduler(self.blocks, policy, self.pool.max_num_seqs, config.max_num_batched_tokens,
                                    load_prefix)  # fmt: skip
-        self.max_context = spec.max_context
         self.eos_token_ids = set(getattr(tokenizer, "eos_token_ids", None) or [])
         self.grammars = Grammars(tokenizer) if tokenizer is not None else None
         self.requests: dict[int, Request] = {}
@@ -147,6 +146,11 @@ class Engine:
     @swap.setter
     def swap(self, policy) -> None:
         self.steps.swap = policy
+
+    @property
+    def max_context(self) -> Optional[int]:
+        """The model's context length (its ``max_position_embeddings``), if it says."""
+        return self.spec.max_context
 
     @property
     def max_blocks(self) -> int:
