@@ -11,6 +11,7 @@ from .hookspecs import hookimpl
 _EXPORTS = {
     "BlockManager": ".engine.block_manager",
     "Engine": ".engine.engine",
+    "EngineConfig": ".engine.config",
     "PagedAttentionLayer": ".layer",
     "RequestOutput": ".engine.output",
     "SamplingParams": ".engine.request",

@@ -280,15 +280,17 @@ def _parse_options(options: dict):
     """The serve command's options, over its defaults."""
     from pydantic import ValidationError
 
-    from .options import PagedOptions
+    from .options import PagedOptions, serving_config
 
     if "tensor_parallel" in options:
         raise ValueError("option tensor_parallel: serve takes --tensor-parallel N instead")
     try:
-        return PagedOptions(**{**SERVE_DEFAULTS, **options})
+        parsed = PagedOptions(**{**SERVE_DEFAULTS, **options})
     except ValidationError as e:
         first = e.errors()[0]
         raise ValueError(f"option {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+    serving_config(parsed)  # what the engine's config refuses, before any rank starts
+    return parsed
 
 
 def _served_model(name: str, options: dict, max_waiting: int, group=None):

@@ -46,8 +46,13 @@ def test_the_options_help_names_the_config_s_default(field, option):
     "options, message",
     [
         (dict(block_size=0), "block_size must be a positive integer, got 0"),
-        (dict(max_num_batched_tokens=0), "max_num_seqs and max_num_batched_tokens must be positive"),
-        (dict(max_num_seqs=0), "max_num_seqs and max_num_batched_tokens must be positive"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be a positive integer, got 0"),
+        (dict(max_num_seqs=2.5), r"max_num_seqs must be a positive integer or None, got 2.5"),
+        (dict(num_blocks="10"), r"num_blocks must be an integer of at least 2 \(one is the null block\), or None, got '10'"),
+        (dict(kv_budget_bytes=True), "kv_budget_bytes must be a positive number of bytes, 'auto' or None, got True"),
+        (dict(memory_fraction=float("nan")), r"memory_fraction must be in \(0, 1\], got nan"),
+        (dict(enable_prefix_caching="no"), "enable_prefix_caching must be True or False, got 'no'"),
+        (dict(scheduler=None), "scheduler must be a name, got None"),
         (dict(speculative="eagle"), "unknown speculative mode 'eagle': choose from ngram, draft"),
         (dict(num_speculative_tokens=17), "num_speculative_tokens must be an integer from 1 to 16, got 17"),
         (dict(speculative_max_batch=True), "speculative_max_batch must be a positive integer, got True"),
@@ -57,7 +62,7 @@ def test_a_bad_value_is_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
         EngineConfig(**options)
     with pytest.raises(ValueError, match=message):
-        Engine(tiny_model("llama"), num_blocks=16, **options)
+        Engine(tiny_model("llama"), **{"num_blocks": 16, **options})
 
 
 def test_an_unknown_option_is_named_and_a_config_is_frozen():
@@ -65,10 +70,22 @@ def test_an_unknown_option_is_named_and_a_config_is_frozen():
         Engine(tiny_model("llama"), blocksize=8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         EngineConfig().block_size = 8
+    with pytest.raises(TypeError, match="config must be an EngineConfig, not a dict"):
+        Engine(tiny_model("llama"), None, {"block_size": 8})
 
 
 def test_the_code_path_leaves_out_what_only_sizes_or_serves():
     config = EngineConfig()
     assert config.replace(kv_budget_bytes=1 << 20, max_num_seqs=4, scheduler="priority").code_path == config.code_path
+    assert config.replace(attention_kernel="portable").code_path == config.code_path  # the selected kernel counts
+    assert EngineConfig(memory_fraction=1) == EngineConfig(memory_fraction=1.0)
+    assert repr(EngineConfig(memory_fraction=1)) == repr(EngineConfig(memory_fraction=1.0))  # what ranks compare
     assert config.replace(block_size=8).code_path != config.code_path
     assert config.replace(kv_bits=4).code_path == config.code_path  # quantized K/V are checked at full precision
+
+
+def test_serve_refuses_what_the_engine_s_config_refuses_before_any_rank_starts():
+    from llm_paged_mlx.cli import _parse_options
+
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer from 1 to 16, got 17"):
+        _parse_options({"speculative": "ngram", "num_speculative_tokens": "17"})

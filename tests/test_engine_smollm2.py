@@ -7,7 +7,7 @@ import pytest
 from mlx_lm.generate import stream_generate
 from smollm2 import smollm2_dir
 
-from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx import Engine, EngineConfig, SamplingParams
 from llm_paged_mlx.models.loading import load_model
 
 QUESTIONS = [
@@ -132,3 +132,5 @@ def test_from_pretrained_loads_dequantized_on_cpu(smollm2):
     assert (out.token_ids, out.text) == reference(model, tokenizer, prompt, 16)
     with pytest.raises(ValueError, match="no config.json"):
         Engine.from_pretrained(str(smollm2_dir().parent))
+    config = Engine.from_pretrained(str(smollm2_dir()), config=EngineConfig(block_size=32), verify_model=False).config
+    assert (config.block_size, config.kv_budget_bytes) == (32, "auto")  # a given config without a budget: auto

@@ -65,4 +65,5 @@ def test_a_layer_must_match_the_heads_its_manager_was_made_for():
     manager = BlockManager(num_blocks=16, num_heads=4, head_dim=16)
     with pytest.raises(ValueError, match="made for 4 heads of 16, not 8 of 16"):
         PagedAttentionLayer(num_heads=8, head_dim=16, manager=manager)
+    PagedAttentionLayer(num_heads=4, head_dim=16, manager=manager, num_kv_heads=2)  # grouped queries
     PagedAttentionLayer(num_heads=8, head_dim=16, manager=BlockManager(num_blocks=16))  # a manager of any heads

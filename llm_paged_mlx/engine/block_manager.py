@@ -88,8 +88,9 @@ def chain_hash(parent: Optional[bytes], token_ids: Sequence[int]) -> bytes:
 class BlockManager:
     """Block tables over a pool of ``num_blocks`` blocks of ``block_size`` tokens.
 
-    ``num_heads`` and ``head_dim`` describe the K/V each token holds, for
-    layers that create their pools from the manager (``PagedAttentionLayer``).
+    ``num_heads`` and ``head_dim``, if given, are the attention heads of the
+    layers that make their pools over the manager (``PagedAttentionLayer``
+    checks that it has them).
     """
 
     def __init__(

@@ -61,19 +61,32 @@ class EngineConfig:
     speculative_max_batch: int = 4
 
     def __post_init__(self):
-        if (self.max_num_seqs is not None and self.max_num_seqs < 1) or self.max_num_batched_tokens < 1:
-            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
-        if not (_integer(self.block_size) and self.block_size >= 1):
-            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        """ValueError naming the first option whose value no engine can take (a kernel, a plugin or the model
+        may refuse more when the engine is built)."""
+        for name in ("block_size", "kv_group_size", "max_num_batched_tokens", "speculative_max_batch"):
+            _check(name, getattr(self, name), _integer(getattr(self, name), 1), "a positive integer")
+        _check("num_blocks", self.num_blocks, self.num_blocks is None or _integer(self.num_blocks, 2),
+               "an integer of at least 2 (one is the null block), or None")  # fmt: skip
+        budget = self.kv_budget_bytes
+        _check("kv_budget_bytes", budget, budget in (None, "auto") or _integer(budget, 1),
+               "a positive number of bytes, 'auto' or None")  # fmt: skip
+        fraction = self.memory_fraction
+        _check("memory_fraction", fraction, _number(fraction) and 0 < fraction <= 1, "in (0, 1]")
+        object.__setattr__(self, "memory_fraction", float(fraction))  # 1 and 1.0 are one config
+        _check("kv_bits", self.kv_bits, self.kv_bits is None or _integer(self.kv_bits, 1), "a number of bits or None")
+        _check("max_num_seqs", self.max_num_seqs, self.max_num_seqs is None or _integer(self.max_num_seqs, 1),
+               "a positive integer or None")  # fmt: skip
+        for name in ("scheduler", "attention_kernel", "swap_policy"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), str), "a name")
+        for name in ("enable_prefix_caching", "compile_steps", "verify_model"):
+            _check(name, getattr(self, name), isinstance(getattr(self, name), bool), "True or False")
         if self.speculative is not None and self.speculative not in SPECULATIVE_MODES:
             raise ValueError(
                 f"unknown speculative mode {self.speculative!r}: choose from {', '.join(SPECULATIVE_MODES)}"
             )
-        if not (_integer(self.num_speculative_tokens) and 1 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS):
-            raise ValueError(f"num_speculative_tokens must be an integer from 1 to {MAX_SPECULATIVE_TOKENS}, "
-                             f"got {self.num_speculative_tokens!r}")  # fmt: skip
-        if not (_integer(self.speculative_max_batch) and self.speculative_max_batch >= 1):
-            raise ValueError(f"speculative_max_batch must be a positive integer, got {self.speculative_max_batch!r}")
+        _check("num_speculative_tokens", self.num_speculative_tokens,
+               _integer(self.num_speculative_tokens, 1) and self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS,
+               f"an integer from 1 to {MAX_SPECULATIVE_TOKENS}")  # fmt: skip
 
     def replace(self, **changes) -> "EngineConfig":
         """This config with ``changes``; TypeError names a field it does not have."""
@@ -86,9 +99,18 @@ class EngineConfig:
     def code_path(self) -> dict:
         """The options that decide how a step computes the model at full precision (not what it holds, how
         it stores K/V, or whom it serves)."""
-        names = ("block_size", "max_num_batched_tokens", "attention_kernel", "compile_steps")
+        names = ("block_size", "max_num_batched_tokens", "compile_steps")  # the kernel: the one selected
         return {name: getattr(self, name) for name in names}
 
 
-def _integer(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _check(name: str, value, valid: bool, what: str) -> None:
+    if not valid:
+        raise ValueError(f"{name} must be {what}, got {value!r}")
+
+
+def _integer(value, least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)

@@ -73,6 +73,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, config: Optional[EngineConfig] = None, *,
                  kv_disk_cache: Optional[KVDiskCache] = None, verdict_file=None,
                  tensor_parallel: Optional[mx.distributed.Group] = None, draft_model=None, **options):  # fmt: skip
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, not a {type(config).__name__}")
         config = (config or EngineConfig()).replace(**options)
         self.group = tensor_parallel if tensor_parallel is not None and tensor_parallel.size() > 1 else None
         swap_policy = check_group(model, self.group, kv_disk_cache, config.scheduler, config.swap_policy)
@@ -135,7 +137,9 @@ class Engine:
         model, tokenizer = load_model(path_or_repo, lazy=options.get("tensor_parallel") is not None)
         if isinstance(options.get("draft_model"), str):  # a folder or repo too
             options["draft_model"], _ = load_model(options["draft_model"])
-        config = options.pop("config", None) or EngineConfig(kv_budget_bytes="auto")
+        config = options.pop("config", None) or EngineConfig()
+        if config.kv_budget_bytes is None and config.num_blocks is None:
+            config = config.replace(kv_budget_bytes="auto")
         return cls(model, tokenizer, config, **options)
 
     @property

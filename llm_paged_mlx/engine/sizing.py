@@ -90,8 +90,6 @@ def kv_budget(model, budget, fraction: float, logit_rows: int, max_num_batched_t
     if budget is None:
         return DEFAULT_KV_BUDGET
     if budget != "auto":
-        if not isinstance(budget, int) or budget <= 0:
-            raise ValueError(f"kv_budget_bytes must be a positive number of bytes or 'auto', not {budget!r}")
         return budget
     mx.eval(model.parameters())  # the weights count as memory in use
     budget = auto_kv_budget(step_reserve(model, max_num_batched_tokens, logit_rows), fraction)

@@ -44,9 +44,12 @@ Only steps of single-query rows are traced: a kernel may evaluate arrays while
 it serves prefill chunks (the portable kernel does, to bound their memory).
 """
 
+import warnings
+
 import mlx.core as mx
 
 from .. import plugins
+from ..errors import one_line
 from .base import AttentionKernel
 from .plan import AttentionPlan, PrefillChunk
 
@@ -59,8 +62,14 @@ def select_kernel(name: str = "auto") -> AttentionKernel:
         if not kernel.is_available():
             raise ValueError(f"attention kernel {name!r} cannot run on {mx.default_device()}")
         return kernel
-    kernels = [_made(name, factory) for name, factory in registry.items()]
-    available = [k for k in kernels if k.is_available()]
+    available = []
+    for name, factory in registry.items():
+        try:
+            kernel = _made(name, factory)
+            if kernel.is_available():
+                available.append(kernel)
+        except Exception as e:  # a broken plugin costs its own kernel, not the choice among the others
+            warnings.warn(f"attention kernel {name!r} left out of 'auto': {one_line(e)}", RuntimeWarning)
     return max(available, key=lambda k: k.auto_priority)
 
 

@@ -196,7 +196,7 @@ class KVDiskCache:
         """Queue the sequence's full blocks ``block_ids`` that are not on disk; returns how many.
 
         ``block_ids`` hold the K/V of the first ``len(block_ids) * block_size``
-        tokens; ``read_blocks(ids)`` returns their K/V as ``ModelRunner.read_blocks``
+        tokens; ``read_blocks(ids)`` returns their K/V as ``KVPools.read_blocks``
         does, arrays that the file names ``names``. A block whose tokens do not fill it is not saved: a lookup would take
         its file for a whole block. This thread only copies the data to host memory.
         """
