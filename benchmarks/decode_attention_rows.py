@@ -9,9 +9,11 @@ of a call within ``--calls`` calls per evaluation (launch gaps included), for
 
 - SDPA: ``mx.fast.scaled_dot_product_attention`` over a contiguous cache (mlx-lm's decode, without the copy
   of the step's K/V into its cache);
-- fused: the engine's kernel (``FusedKernel`` defaults), and as a decode step runs it, with each row's own K/V
-  given and written into the pools (``new``);
-- fused with partitions of 64 tokens, one block per simd group: more threadgroups, then a reduce pass.
+- fused: the engine's kernel (``FusedKernel`` defaults: simd groups a threadgroup chosen for the call's
+  grid), and as a decode step runs it, with each row's own K/V given and written into the pools (``new``);
+- fused with 4 simd groups a threadgroup, whatever the grid;
+- with ``--variants PART:WARPS ...`` (WARPS a number or ``auto``), the fused kernel with PART-token partitions
+  and WARPS simd groups a threadgroup instead of the two above.
 
 ``--ncu CONTEXT`` instead runs the default kernel 20 times at that context and one row, for Nsight Compute.
 """
@@ -27,7 +29,7 @@ from llm_paged_mlx.kernels.fused import CudaKernel
 Q_HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 POOL_BLOCKS = 4096
 DTYPE = mx.bfloat16
-VARIANTS = {"fused": 512, "part 64": 64}  # name: tokens per partition
+VARIANTS = {"fused": (512, None), "4 warps": (512, 4)}  # name: (tokens per partition, simd groups a threadgroup)
 
 
 def inputs(rows: int, context: int):
@@ -56,7 +58,8 @@ def methods(a, kernels):
     out = {"SDPA": lambda: mx.fast.scaled_dot_product_attention(a["queries"], a["keys"], a["values"], scale=scale)}
     for name, kernel in kernels.items():
         out[name] = lambda k=kernel: k.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"], scale)
-    out["fused, new"] = lambda: kernels["fused"].decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
+    first = next(iter(kernels.values()))  # the first variant as a decode step runs it
+    out["fused, new"] = lambda: first.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
                                                         scale, new_rows=a["new"])  # fmt: skip
     return out
 
@@ -90,18 +93,25 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=[16, 128, 384, 1024, 4096])
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--ncu", type=int, metavar="CONTEXT")
+    parser.add_argument("--variants", nargs="+", metavar="PART:WARPS", help="fused kernels to time")
     args = parser.parse_args()
-    kernels = {name: CudaKernel(partition_size=part) for name, part in VARIANTS.items()}
+    variants = dict(VARIANTS)
+    if args.variants:
+        variants = {}
+        for v in args.variants:
+            part, warps = v.split(":")
+            variants[v] = (int(part), None if warps == "auto" else int(warps))
+    kernels = {name: CudaKernel(partition_size=part, warps=warps) for name, (part, warps) in variants.items()}
     if args.ncu:
         a = inputs(1, args.ncu)
         for _ in range(20):
-            mx.eval(methods(a, kernels)["fused"]())
+            mx.eval(methods(a, kernels)[next(iter(kernels))]())
         return
     pool = mx.zeros((1, KV_HEADS, BLOCK, DIM), DTYPE)  # the self-checks, before any timing
     for kernel in kernels.values():
         assert kernel.usable(DTYPE, pool, pool, Q_HEADS), "the fused kernel failed its self-check"
-    assert kernels["fused"].usable(DTYPE, pool, pool, Q_HEADS, new=True)
-    names = ["SDPA", *VARIANTS, "fused, new"]
+    assert next(iter(kernels.values())).usable(DTYPE, pool, pool, Q_HEADS, new=True)
+    names = ["SDPA", *variants, "fused, new"]
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={DIM}, bf16, {BLOCK}-token blocks; kernel time a call (us), wall time a call in brackets")
     print("| rows | context | " + " | ".join(names) + " |")
@@ -111,7 +121,7 @@ def main():
             a = inputs(rows, context)
             fns = methods(a, kernels)
             ref = fns["SDPA"]().astype(mx.float32)
-            for name in VARIANTS:  # every variant gives SDPA's output
+            for name in variants:  # every variant gives SDPA's output
                 error = (mx.abs(fns[name]().astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
                 assert error < 2e-2, (name, rows, context, error)
             cells = [f"{kernel_us(fns[n], args.calls):.1f} ({wall_us(fns[n], args.calls):.1f})" for n in names]

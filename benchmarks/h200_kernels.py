@@ -37,6 +37,7 @@ import engine_throughput  # this folder (a script's own directory is on sys.path
 import mlx.core as mx
 
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.fused_check import check_error
 from llm_paged_mlx.kernels.plan import AttentionPlan, PrefillChunk, window_tables
 from llm_paged_mlx.kernels.portable import decode_attention
 from llm_paged_mlx.kernels.quantized import QuantizedPool
@@ -207,7 +208,7 @@ def quantized_section(report, quick=False):
     checker = CudaKernel()
     for bits in (8, 4):
         for one in (False, True):
-            err = checker.check_error(DTYPE, DIM, BLOCK, Q_HEADS // KV_HEADS, one_partition=one, bits=bits)
+            err = check_error(checker, DTYPE, DIM, BLOCK, Q_HEADS // KV_HEADS, one_partition=one, bits=bits)
             print(f"  {bits}-bit group 64, one partition {one}: {err:.2e}", flush=True)
     kernels = {"fused": CudaKernel(), "p1024": CudaKernel(partition_size=1024), "w8": CudaKernel(warps=8)}
     grid = [(batch, context) for batch in (1, 8) for context in (8192, 32768, 131072)]
@@ -289,7 +290,7 @@ def windowed_section(report, quick=False):
     checker = CudaKernel()
     for shape, (q_heads, kv_heads, dim, window, sinks, softcap) in WINDOWED_SHAPES.items():
         for one in (False, True):
-            err = checker.check_error(DTYPE, dim, BLOCK, q_heads // kv_heads, kv_heads, one, None, None, window,
+            err = check_error(checker, DTYPE, dim, BLOCK, q_heads // kv_heads, kv_heads, one, None, None, window,
                                       sinks, softcap is not None)  # fmt: skip
             print(f"  {shape}, one partition {one}: {err:.2e}", flush=True)
     grid = [
@@ -354,7 +355,7 @@ def main():
     checks = []
     for dtype in (mx.bfloat16, mx.float16, mx.float32):
         for dim, block, rep in ((128, 16, 4), (64, 32, 1), (256, 16, 8), (128, 32, 7), (128, 16, 16)):
-            err = checker.check_error(dtype, dim, block, rep)
+            err = check_error(checker, dtype, dim, block, rep)
             checks.append((str(dtype), dim, block, rep, err))
             print(f"  {dtype} D={dim} bs={block} gqa={rep}: {err:.2e}", flush=True)
     report["checks"] = checks
@@ -368,7 +369,7 @@ def main():
     if args.alt_template:
         with open(args.alt_template) as f:
             alt = CudaKernel(template=f.read())
-        print(f"alt = {args.alt_template}: error {alt.check_error(DTYPE, DIM, BLOCK, 4):.1e}", flush=True)
+        print(f"alt = {args.alt_template}: error {check_error(alt, DTYPE, DIM, BLOCK, 4):.1e}", flush=True)
         all_methods.append("alt")
     grid = [(8, c) for c in (1024, 4096, 8192, 32768, 131072)]
     grid += [(1, c) for c in (4096, 32768, 131072)] + [(64, c) for c in (1024, 4096, 32768)]

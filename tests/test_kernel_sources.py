@@ -21,6 +21,7 @@ from llm_paged_mlx.kernels.dialect import (
     split_kernels,
 )
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel, kernel_sources
+from llm_paged_mlx.kernels.fused_check import check_error
 from llm_paged_mlx.kernels.latent import latent_source
 from llm_paged_mlx.kernels.quantized import QuantizedPool
 
@@ -159,6 +160,27 @@ def test_fused_kernel_supports_the_quantized_pools_it_renders():
     assert not kernel.supports(mx.bfloat16, quantized(4, 32, (3, 8, 16, 96)), quantized(4, 32, (3, 8, 16, 96)), 32)
 
 
+def test_fused_kernel_splits_few_rows_over_more_simd_groups_within_registers_and_threadgroup_memory():
+    cuda, metal = CudaKernel(), MetalKernel()
+    assert cuda.warp_choices(4) == [4, 8, 16] and metal.warp_choices(4) == [4]
+    assert cuda.warp_choices(8) == [4, 8]  # 16 simd groups of 8 heads' queries and sums: more than an SM's registers
+    assert CudaKernel(warps=8).warp_choices(4) == [8]
+    # threadgroups = rows x KV heads x head groups x partitions; the grid keeps at most 2048 simd groups
+    assert cuda._warps(8, 4) == cuda._warps(128, 4) == 16  # 1 and 16 rows of 8 KV heads
+    assert cuda._warps(256, 4) == 8 and cuda._warps(512, 4) == cuda._warps(10**6, 4) == 4
+    assert cuda._warps(8, 8) == 8 and metal._warps(8, 4) == 4 and CudaKernel(warps=8)._warps(10**6, 4) == 8
+    for kernel in (cuda, metal):
+        for heads, dim, block in ((1, 64, 16), (4, 128, 16), (8, 128, 32), (8, 256, 16)):
+            for warps in kernel.warp_choices(heads):
+                slots = kernel._slots(warps, heads, dim, block)
+                assert 1 <= slots <= warps
+                assert kernel.shared_bytes(heads, dim, block, slots) <= kernel.dialect.shared_memory
+                more = kernel.shared_bytes(heads, dim, block, slots + 1)
+                assert slots == warps or more > kernel.dialect.shared_memory
+    assert cuda._slots(16, 4, 128, 16) == 16  # Llama-8B: every simd group's sums at once
+    assert cuda._slots(8, 8, 256, 16) == 3
+
+
 CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float"}
 
 
@@ -208,16 +230,17 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
 
     With ONE (a single partition per row) the partition kernel writes T outputs."""
     cases = [
-        # bits, group, dtype, D, BS, REP, HPG, ONE, WINDOW, SINKS, SOFTCAP
-        (None, None, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False),
-        (None, None, mx.float32, 64, 32, 1, 1, True, 0, False, False),
-        (4, 64, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False),
-        (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False),
-        (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False),
-        (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True),
+        # bits, group, dtype, D, BS, REP, HPG, ONE, WINDOW, SINKS, SOFTCAP, NW, SLOTS
+        (None, None, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False, 4, 4),
+        (None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16),
+        (None, None, mx.float32, 64, 32, 1, 1, True, 0, False, False, 8, 8),
+        (4, 64, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False, 16, 16),
+        (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False, 16, 3),
+        (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False, 4, 4),
+        (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True, 8, 8),
     ]
     sources = []
-    for bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap in cases:
+    for bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap, warps, slots in cases:
         kernels = kernel_sources(read_template(), CUDA, bits, group)
         ctype = CUDA_TYPES[dtype]
         params = dict.fromkeys(["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases"], ctype)
@@ -226,7 +249,8 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         params.update(block_tables="int32_t", context_lens="int32_t", table_starts="int32_t", sinks=ctype)
         params.update(params="float", part_m="float", part_l="float")
         masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
-        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=4, ONE=one, **masking)
+        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=warps, SLOTS=slots, ONE=one,
+                         **masking)
         sources.append(
             CUDA_PREAMBLE
             + kernels["partition"].header
@@ -290,7 +314,7 @@ def test_metal_kernel_compiles_and_matches_portable(dtype, dim, block_size, rep,
     kernel = MetalKernel()
     with mx.stream(mx.gpu):
         masking = dict(window=window, sinks=sinks, softcap=softcap)
-        error = kernel.check_error(dtype, dim, block_size, rep, bits=bits, group_size=64, **masking)
+        error = check_error(kernel, dtype, dim, block_size, rep, bits=bits, group_size=64, **masking)
     assert error <= {mx.float32: 1e-4 if bits else 1e-5, mx.float16: 5e-3, mx.bfloat16: 1e-2}[dtype]
 
 

@@ -22,6 +22,7 @@ from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import quantized_matvec, select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.fused_check import check_error
 from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
@@ -84,16 +85,19 @@ def cast(x, dtype):
     return a, np.array(a.astype(mx.float32))
 
 
+@pytest.mark.parametrize("warps", [None, 4], ids=["warps chosen", "4 warps"])
 @pytest.mark.parametrize("seed", [0, 1])
 @pytest.mark.parametrize("dtype,q_heads,kv_heads,dim,block_size,lens", CASES)
-def test_fused_decode_matches_reference(seed, dtype, q_heads, kv_heads, dim, block_size, lens):
+def test_fused_decode_matches_reference(seed, dtype, q_heads, kv_heads, dim, block_size, lens, warps):
+    """Few rows take up to 16 simd groups a threadgroup (GQA 8: 8, whose sums at D=256 add up 3 at a time), or 4."""
     rng = np.random.default_rng(seed)
     k_np, v_np, tables = make_case(rng, lens, q_heads, kv_heads, dim, block_size, strict=True)
     q, q_np = cast(rng.standard_normal((len(lens), q_heads, 1, dim)).astype(np.float32), dtype)
     k_pool, k_np = cast(k_np, dtype)
     v_pool, v_np = cast(v_np, dtype)
     scale = dim**-0.5
-    out = CudaKernel(poison_outputs=True).decode(q, k_pool, v_pool, mx.array(tables), mx.array(lens, mx.int32), scale)
+    kernel = CudaKernel(poison_outputs=True, warps=warps)
+    out = kernel.decode(q, k_pool, v_pool, mx.array(tables), mx.array(lens, mx.int32), scale)
     assert out.dtype == dtype and out.shape == q.shape
     assert rel_error(out, reference(q_np, k_np, v_np, tables, lens, scale)) <= LIMIT[dtype]
 
@@ -422,7 +426,9 @@ def test_decode_kernel_reads_and_writes_the_rows_own_k_v(dtype, dim, block_size,
     """The rows' own slots are NaN in the pools: the kernel reads their K/V as given and writes them there."""
     kernel = CudaKernel()
     for one in (False, True):
-        error = kernel.check_error(dtype, dim, block_size, rep, one_partition=one, window=window, sinks=sinks, new=True)
+        error = check_error(
+            kernel, dtype, dim, block_size, rep, one_partition=one, window=window, sinks=sinks, new=True
+        )
         assert error <= LIMIT[dtype]
     assert kernel.usable(dtype, mx.zeros((2, 2, block_size, dim), dtype), mx.zeros((2, 2, block_size, dim), dtype),
                          2 * rep, window, sinks, new=True)  # fmt: skip

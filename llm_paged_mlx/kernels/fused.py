@@ -3,7 +3,9 @@
 Decode rows run two kernels: one threadgroup per (row, KV head, head group,
 512-token partition) computes a partial softmax-weighted sum, then a reduce
 kernel merges a row's partitions, so a few long sequences still fill the GPU
-(vLLM's paged attention v2). The sources compile at first use.
+(vLLM's paged attention v2). A step of few rows gives each threadgroup more
+simd groups (up to ``max_warps``), one of many rows fewer. The sources compile
+at first use.
 
 Quantized pools (``quantized.QuantizedPool``, 8 or 4 bits) are read by a
 variant of the same kernel that dequantizes each lane's values in registers.
@@ -36,17 +38,26 @@ import hashlib
 import mlx.core as mx
 
 from . import self_check
+from .base import AttentionKernel
 from .dialect import CUDA, METAL, Dialect, KernelSource, build, read_template, render
+from .fused_check import check_error
 from .in_place import InPlaceWrites
 from .latent import LatentKernels
-from .base import AttentionKernel
-from .plan import AttentionPlan, PrefillChunk, window_tables
-from .portable import PortableKernel, chunk_own_rows, decode_attention, prefill_attention
+from .plan import AttentionPlan, PrefillChunk
+from .portable import PortableKernel, chunk_own_rows, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
 
 SIMD = 32
 VEC = 8  # values of a K/V row per lane (the template's VEC)
 MAX_HEADS_PER_GROUP = 8
+# Simd groups per threadgroup of the partition kernel: as many as keep the grid at most FILL_SIMD_GROUPS simd
+# groups, between MIN_WARPS and the kernel's max_warps; a step of few rows then splits each slice over more
+# simd groups, one of many rows keeps more threadgroups resident.
+MIN_WARPS = 4
+FILL_SIMD_GROUPS = 2048
+# 32-bit registers a CUDA SM has for its resident threads: a threadgroup may not need more. A thread of the
+# partition kernel holds about 2 * VEC values per query head (its query and its sums) and 32 more.
+REGISTER_FILE = 65536
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
@@ -91,51 +102,10 @@ def quantization(k_pool, v_pool) -> tuple[int | None, int | None] | None:
     return None, None
 
 
-def _visible_slots(tables, context_lens, window, num_blocks: int, block_size: int):
-    """The self-check's tables (null blocks where a ``window`` no longer reaches) and the pool slots rows see."""
-    rows, width = tables.shape
-    positions = mx.arange(width * block_size).reshape(1, width, block_size)
-    seen = positions < context_lens[:, None, None]
-    if window is not None:
-        seen = seen & (positions >= context_lens[:, None, None] - window)
-        # What a windowed table holds: the null block where the window no longer reaches
-        tables = mx.where(seen.any(axis=2), tables, 0)
-    visible = mx.zeros((num_blocks, 1, block_size, 1), mx.bool_)
-    visible[tables.reshape(-1)] = seen.reshape(rows * width, 1, block_size, 1)
-    visible[0] = False
-    return tables, visible
-
-
-def _hide_own_slots(tables, context_lens, visible):
-    """Each row's own slot (its last position) in the flattened pools, and ``visible`` with those slots hidden."""
-    num_blocks, _, block_size, _ = visible.shape
-    own_blocks = tables[mx.arange(tables.shape[0]), (context_lens - 1) // block_size]
-    own_slots = own_blocks * block_size + (context_lens - 1) % block_size
-    flat_slots = mx.zeros((num_blocks * block_size,), mx.bool_)
-    flat_slots[own_slots] = True
-    return own_slots, visible & ~flat_slots.reshape(num_blocks, 1, block_size, 1)
-
-
-def _slot_rows(pool, slots):
-    """The K/V rows ``(n, kv_heads, D)`` of a pool ``(blocks, kv_heads, block_size, D)`` at flattened ``slots``."""
-    _, kv_heads, _, dim = pool.shape
-    return pool.swapaxes(1, 2).reshape(-1, kv_heads, dim)[slots]
-
-
-def _poison(pool, visible):
-    """A pool with NaN at every slot not ``visible`` (of a quantized pool: NaN scales)."""
-    if isinstance(pool, QuantizedPool):
-        return QuantizedPool(pool.data, mx.where(visible, pool.scales, mx.nan), pool.biases, pool.bits, pool.group_size)
-    return mx.where(visible, pool, mx.nan)
-
-
-def _reference(queries, k_pool, v_pool, tables, context_lens, scale: float, window, sinks, softcap) -> mx.array:
-    """The self-check's reference: ``decode_attention`` in float32 over the pools' values (dequantized)."""
-    k_ref, v_ref = (p.dequantize(mx.float32) if isinstance(p, QuantizedPool) else p.astype(mx.float32)
-                    for p in (k_pool, v_pool))  # fmt: skip
-    ref_sinks = None if sinks is None else sinks.astype(mx.float32)
-    return decode_attention(queries.astype(mx.float32), k_ref, v_ref, tables, context_lens, scale, window, ref_sinks,
-                            softcap=softcap)  # fmt: skip
+def head_groups(rep: int) -> tuple[int, int]:
+    """How the ``rep`` query heads of a KV head split into threadgroups: ``(groups, heads per group)``."""
+    groups = -(-rep // MAX_HEADS_PER_GROUP)
+    return groups, -(-rep // groups)
 
 
 class FusedKernel(AttentionKernel):
@@ -154,19 +124,20 @@ class FusedKernel(AttentionKernel):
     # causal attention (on the H200 the two cost the same at 64 tokens over a 4K
     # context: benchmarks/RESULTS.md).
     row_prefill_max_reads = 1 << 18
+    max_warps = MIN_WARPS  # the most simd groups a threadgroup of few rows takes (a power of two)
 
     def __init__(
         self,
         template: str | None = None,
         partition_size: int = 512,
-        warps: int = 4,
+        warps: int | None = None,
         poison_outputs: bool = False,
         latent_template: str | None = None,
     ):
         """``template`` and ``latent_template``: kernel sources to use instead of ``csrc/``'s;
-        ``partition_size`` and ``warps``: tokens per partition and simd groups per threadgroup;
-        ``poison_outputs``: fill the kernels' output buffers with NaN before they run (tests: nothing
-        unwritten is read)."""
+        ``partition_size`` and ``warps``: tokens per partition and simd groups per threadgroup (None: chosen
+        for each call's grid, see ``FILL_SIMD_GROUPS``); ``poison_outputs``: fill the kernels' output buffers
+        with NaN before they run (tests: nothing unwritten is read)."""
         self.template = template if template is not None else read_template()
         self.partition_size = partition_size
         self.warps = warps
@@ -311,21 +282,23 @@ class FusedKernel(AttentionKernel):
         return self._checked[key]
 
     def decode(self, queries, k_pool, v_pool, block_tables, context_lens, scale: float, window=None, sinks=None,
-               softcap=None, table_starts=None, new_rows=None) -> mx.array:  # fmt: skip
+               softcap=None, table_starts=None, new_rows=None, warps=None) -> mx.array:  # fmt: skip
         """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables, each
         query over its last ``window`` tokens if given, with ``sinks`` and ``softcap`` as ``__call__``
         takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
         (``plan.window_tables``; only with a window); ``new_rows``: each row's own keys and values
-        ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place."""
+        ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place; ``warps``:
+        simd groups per threadgroup, if not the kernel's own choice."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
         dtype = k_pool.dtype
         rep = q_heads // kv_heads
-        groups = -(-rep // MAX_HEADS_PER_GROUP)
-        heads_per_group = -(-rep // groups)
+        groups, heads_per_group = head_groups(rep)
         part = self.partition_size
         parts = -(-block_tables.shape[1] * block_size // part)
-        threads = self.warps * SIMD
+        warps = warps or self._warps(parts * kv_heads * groups * rows, heads_per_group)
+        slots = self._slots(warps, heads_per_group, dim, block_size)
+        threads = warps * SIMD
         bits, group_size = quantization(k_pool, v_pool)
         partition, reduce = self._compiled(bits, group_size, new_rows is not None)
         if bits:
@@ -342,13 +315,43 @@ class FusedKernel(AttentionKernel):
         part_out, part_m, part_l = partition(
             inputs=[queries, *pools, block_tables.astype(mx.int32), lens, starts, sinks, self._params(scale, softcap)],
             template=[("T", dtype), ("D", dim), ("BS", block_size), ("REP", rep), ("HPG", heads_per_group),
-                      ("PART", part), ("NW", self.warps), ("ONE", one), *masking],
+                      ("PART", part), ("NW", warps), ("SLOTS", slots), ("ONE", one), *masking],
             grid=(parts * threads, kv_heads * groups, rows), threadgroup=(threads, 1, 1),
             output_shapes=[(rows, q_heads, parts, dim)] + [(1,) if one else (rows, q_heads, parts)] * 2,
             output_dtypes=[dtype if one else mx.float32, mx.float32, mx.float32],
             init_value=self.init_value,
         )
         return part_out if one else self._merge(reduce, [part_out, part_m, part_l], lens, starts, sinks, masking, dtype)
+
+    def warp_choices(self, heads_per_group: int) -> list[int]:
+        """The simd groups per threadgroup ``decode`` may choose for query heads in groups of
+        ``heads_per_group`` (each is self-checked): powers of two from MIN_WARPS to ``max_warps``, as many as
+        the registers of one SM hold."""
+        if self.warps:
+            return [self.warps]
+        registers = SIMD * (2 * VEC * heads_per_group + 32)
+        choices = [MIN_WARPS]
+        while choices[-1] * 2 <= self.max_warps and choices[-1] * 2 * registers <= REGISTER_FILE:
+            choices.append(choices[-1] * 2)
+        return choices
+
+    def _warps(self, threadgroups: int, heads_per_group: int) -> int:
+        """Simd groups per threadgroup for a grid of ``threadgroups``: the most that fill at most
+        ``FILL_SIMD_GROUPS``."""
+        choices = self.warp_choices(heads_per_group)
+        return max([w for w in choices if w * threadgroups <= FILL_SIMD_GROUPS], default=min(choices))
+
+    def _slots(self, warps: int, heads_per_group: int, dim: int, block_size: int) -> int:
+        """How many simd groups' partial sums fit the threadgroup memory the partition kernel's other arrays
+        leave (the template's SLOTS), at least one."""
+        free = self.dialect.shared_memory - self.shared_bytes(heads_per_group, dim, block_size, slots=0)
+        return max(1, min(warps, free // (4 * heads_per_group * dim)))
+
+    def shared_bytes(self, heads_per_group: int, dim: int, block_size: int, slots: int) -> int:
+        """Threadgroup memory the partition kernel declares: a slice's block ids, its probabilities, two floats
+        per head and ``slots`` simd groups' partial sums."""
+        part = self.partition_size
+        return 4 * (part // block_size + heads_per_group * (part + 2 + slots * dim))
 
     def _table_starts(self, rows: int, window, table_starts) -> mx.array:
         """The kernels' ``table_starts`` input: without a window a stand-in, else each table's first position."""
@@ -399,81 +402,15 @@ class FusedKernel(AttentionKernel):
             f"{self.name} paged attention",
             config,
             lambda: max(
-                self.check_error(
-                    dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size, **features
+                check_error(
+                    self, dtype, dim, block_size, rep, one_partition=one, bits=bits, group_size=group_size,
+                    **features, warps=warps,
                 )
                 for one in (False, True)
+                for warps in self.warp_choices(head_groups(rep)[1])
             ),
             TOLERANCE[dtype],
         )
-
-    def check_error(self, dtype, dim: int, block_size: int, rep: int, kv_heads: int = 2, one_partition=False,
-                    bits: int | None = None, group_size: int | None = 64, window: int | None = None,
-                    sinks: bool = False, softcap: bool = False, new: bool = False) -> float:  # fmt: skip
-        """Relative error of ``decode`` against the portable kernel (float32) on random inputs.
-
-        Rows of 1, a block and a bit, and several partitions' worth of tokens
-        (and, with ``one_partition``, rows that fit one partition: the kernel
-        without its reduce pass); every position a row must not see holds NaN in
-        the fused kernel's pools. With ``bits``, the pools are random values
-        quantized in groups of ``group_size`` (hidden positions: NaN scales), and
-        the reference reads them dequantized. With a ``window``, the blocks
-        wholly before a row's window are the null block, and the kernel runs
-        over whole tables and over tables narrowed as the engine narrows them
-        (the larger error counts); without ``one_partition`` a row reaches a
-        partition past the window. ``sinks`` adds random sink logits (in the
-        queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends. With ``new``, each row's own
-        K/V (at its last position) is given as ``new_rows`` and NaN in the pools, and must be there after.
-        """
-        lens = [1, block_size + 3, (self.partition_size - 1) if one_partition else (2 * self.partition_size + 5)]
-        if window is not None and not one_partition:  # narrowed, this row fits one partition for small windows
-            lens.append(window + self.partition_size + block_size + 5)
-        rows, width = len(lens), -(-max(lens) // block_size)
-        num_blocks = rows * width + 1
-        kq, kk, kv, kp, ks = mx.random.split(mx.random.key(0), 5)
-        queries = mx.random.normal((rows, kv_heads * rep, 1, dim), key=kq).astype(dtype)
-        k_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kk).astype(dtype)
-        v_pool = mx.random.normal((num_blocks, kv_heads, block_size, dim), key=kv).astype(dtype)
-        tables = (mx.random.permutation(num_blocks - 1, key=kp) + 1).reshape(rows, width).astype(mx.int32)
-        context_lens = mx.array(lens, mx.int32)
-        tables, visible = _visible_slots(tables, context_lens, window, num_blocks, block_size)
-        own = None
-        if new:  # each row's own slot, NaN in the pools: read from new_rows
-            own_slots, visible = _hide_own_slots(tables, context_lens, visible)
-            own = own_slots, [_slot_rows(p, own_slots) for p in (k_pool, v_pool)]
-        scale = dim**-0.5
-        sink_logits = mx.random.normal((kv_heads * rep,), key=ks).astype(dtype) if sinks else None
-        cap = 1.5 if softcap else None
-        if bits:
-            k_pool, v_pool = (
-                QuantizedPool(*mx.quantize(x, group_size, bits), bits, group_size) for x in (k_pool, v_pool)
-            )
-        poisoned = [_poison(p, visible) for p in (k_pool, v_pool)]
-        ref = _reference(queries, k_pool, v_pool, tables, context_lens, scale, window, sink_logits, cap)
-        # Whole tables, and tables narrowed to the window as the engine narrows them
-        layouts = [(tables, None)]
-        if window is not None:
-            layouts.append(window_tables(tables, context_lens, window, block_size))
-        masking = {"window": window, "sinks": sink_logits, "softcap": cap}
-        errors = []
-        for table, starts in layouts:
-            if new:  # fresh pools for each run: the kernel writes into them
-                poisoned = [_poison(p, visible) for p in (k_pool, v_pool)]
-                mx.eval(poisoned)
-            errors += self._run_errors(queries, poisoned, table, starts, context_lens, scale, masking, ref, own)
-        values = [e.item() for e in errors]
-        return float("nan") if any(v != v for v in values) else max(values)  # max() may pass over a NaN
-
-    def _run_errors(self, queries, pools, table, starts, context_lens, scale: float, masking, ref, own) -> list:
-        """One ``decode`` run's errors: of its output, and (given ``own``, the rows' slots and K/V) of what it wrote."""
-        given = {"new_rows": own[1]} if own is not None else {}
-        out = self.decode(queries, *pools, table, context_lens, scale, **masking, table_starts=starts, **given)
-        errors = [mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()]
-        if own is not None:  # written in place: the pools now hold the rows' own K/V
-            own_slots, own_rows = own
-            written = [_slot_rows(p, own_slots) for p in pools]
-            errors += [mx.abs(w - r).astype(mx.float32).max() for w, r in zip(written, own_rows)]
-        return errors
 
 
 class CudaKernel(FusedKernel):
@@ -482,6 +419,7 @@ class CudaKernel(FusedKernel):
     name = "cuda"
     dialect = CUDA
     in_place_writes = True
+    max_warps = 16
 
     def is_available(self) -> bool:
         return mx.cuda.is_available() and mx.default_device() == mx.gpu
@@ -495,6 +433,9 @@ class MetalKernel(FusedKernel):
     # Not on Metal: MLX orders its command buffers there by the arrays kernels give, and a pool written in
     # place is not one of them, so a later step could read a slot before it is written. Untested here.
     in_place_writes = False
+    # Apple GPUs have tens of cores, not the H200's 132 SMs, and more simd groups a threadgroup were measured
+    # only on the H200: Metal keeps MIN_WARPS.
+    max_warps = MIN_WARPS
 
     def is_available(self) -> bool:
         return mx.metal.is_available() and mx.default_device() == mx.gpu
