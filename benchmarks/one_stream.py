@@ -10,7 +10,9 @@ per second of the whole answer (its prefill included), mlx-lm's greedy ``generat
 (one request on one ``Engine``, as ``llm -m`` runs it) in alternation, one warm-up each, medians of
 ``--rounds``. ``--timeline`` also prints where each system's time went in its last round: the first token,
 the median gap between tokens, the 90th percentile and the largest, and the time lost to gaps over 1.5
-times the median.
+times the median. ``--kernel-warps N`` also times, in the same alternation, a second engine over the same
+model whose fused attention kernel keeps N simd groups a threadgroup whatever the step (on a GPU): a change
+of a few percent shows within one process, where the spread between processes hides it.
 """
 
 import argparse
@@ -80,28 +82,37 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeline", action="store_true", help="where each system's time went in its last round")
+    parser.add_argument("--kernel-warps", type=int, metavar="N", help="also an engine whose kernel keeps N simd groups")
     args = parser.parse_args()
+    held = f"engine, {args.kernel_warps} simd groups" if args.kernel_warps else None
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, a new prompt of 64-128 "
           f"tokens a round, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
-    print("| model | weights | mlx-lm generate_step | engine | engine / mlx-lm |")
-    print("|---|---|---:|---:|---:|")
+    extra = f" {held} | its ratio |" if held else ""
+    print("| model | weights | mlx-lm generate_step | engine | engine / mlx-lm |" + extra)
+    print("|---|---|---:|---:|---:|" + "---:|---:|" * bool(held))
     lines = []
     for name in ["smollm2"] if args.smollm2 else args.models:
         for bits in args.bits:
             model, vocab = load(name, bits)
             baseline, _ = load(name, bits)  # mlx-lm's own: an engine on a GPU merges its model's projections
             prompts = prompts_for(args.rounds + 1, vocab, 1, 64, 128)  # a new one each round: no prefix cache hit
-            engine = Engine(model, kv_budget_bytes=4 * 2**30)
-            theirs, ours = [], []
+            engines = {"engine": Engine(model, kv_budget_bytes=4 * 2**30)}
+            if held:
+                engines[held] = Engine(model, kv_budget_bytes=4 * 2**30)
+                for cache in engines[held].runner.kv.caches:
+                    cache.kernel.warps = args.kernel_warps
+            runs = {"mlx-lm": [], **{n: [] for n in engines}}
             for round in range(args.rounds + 1):  # the first is a warm-up
-                theirs.append(mlx_lm_times(baseline, prompts[round], args.new_tokens))
-                ours.append(engine_times(engine, prompts[round], args.new_tokens))
+                runs["mlx-lm"].append(mlx_lm_times(baseline, prompts[round], args.new_tokens))
+                for n, engine in engines.items():
+                    runs[n].append(engine_times(engine, prompts[round], args.new_tokens))
             weights = f"{bits}-bit" if bits != "none" else ("float32" if args.smollm2 else "bf16")
             if args.timeline:
-                lines += [f"{name} {weights}, " + timeline(n, t[-1]) for n, t in (("mlx-lm", theirs), ("engine", ours))]
-            theirs, ours = (statistics.median(len(t) / t[-1] for t in runs[1:]) for runs in (theirs, ours))
-            print(f"| {name} | {weights} | {theirs:.1f} | {ours:.1f} | {ours / theirs:.2f}x |", flush=True)
-            del model, baseline, engine
+                lines += [f"{name} {weights}, " + timeline(n, t[-1]) for n, t in runs.items()]
+            rate = {n: statistics.median(len(t) / t[-1] for t in times[1:]) for n, times in runs.items()}
+            cells = [f"{rate[n]:.1f} | {rate[n] / rate['mlx-lm']:.2f}x" for n in engines]
+            print(f"| {name} | {weights} | {rate['mlx-lm']:.1f} | " + " | ".join(cells) + " |", flush=True)
+            del model, baseline, engines
     print("\n".join(lines))
 
 
