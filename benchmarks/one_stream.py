@@ -11,7 +11,7 @@ per second of the whole answer (its prefill included), mlx-lm's greedy ``generat
 ``--rounds``. ``--timeline`` also prints where each system's time went in its last round: the first token,
 the median gap between tokens, the 90th percentile and the largest, and the time lost to gaps over 1.5
 times the median. ``--kernel-warps N`` also times, in the same alternation, a second engine over the same
-model whose fused attention kernel keeps N simd groups a threadgroup whatever the step (on a GPU): a change
+model whose CUDA attention kernel keeps N simd groups a threadgroup whatever the step: a change
 of a few percent shows within one process, where the spread between processes hides it.
 """
 
@@ -27,7 +27,9 @@ from long_context import LLAMA_8B
 from mlx_lm.generate import generate_step
 from mlx_lm.models import llama, qwen3
 
-from llm_paged_mlx import Engine, SamplingParams
+from llm_paged_mlx import Engine, SamplingParams, plugins
+from llm_paged_mlx.hookspecs import hookimpl
+from llm_paged_mlx.kernels.fused import CudaKernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # smollm2.py: where the model is kept
 
@@ -74,6 +76,18 @@ def timeline(name: str, times: list[float]) -> str:
             f"median {1000 * lost:.1f} ms of {1000 * times[-1]:.1f}")
 
 
+def held_kernel(warps: int) -> str:
+    """The name of the CUDA kernel held at ``warps`` simd groups a threadgroup, registered as a plugin would."""
+
+    class HeldWarps:
+        @hookimpl
+        def register_attention_kernels(self, register):
+            register(f"cuda, {warps} simd groups", lambda: CudaKernel(warps=warps))
+
+    plugins.get_plugin_manager().register(HeldWarps())
+    return f"cuda, {warps} simd groups"
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -98,9 +112,8 @@ def main():
             prompts = prompts_for(args.rounds + 1, vocab, 1, 64, 128)  # a new one each round: no prefix cache hit
             engines = {"engine": Engine(model, kv_budget_bytes=4 * 2**30)}
             if held:
-                engines[held] = Engine(model, kv_budget_bytes=4 * 2**30)
-                for cache in engines[held].runner.kv.caches:
-                    cache.kernel.warps = args.kernel_warps
+                kernel = held_kernel(args.kernel_warps)
+                engines[held] = Engine(model, kv_budget_bytes=4 * 2**30, attention_kernel=kernel)
             runs = {"mlx-lm": [], **{n: [] for n in engines}}
             for round in range(args.rounds + 1):  # the first is a warm-up
                 runs["mlx-lm"].append(mlx_lm_times(baseline, prompts[round], args.new_tokens))

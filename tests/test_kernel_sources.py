@@ -20,7 +20,7 @@ from llm_paged_mlx.kernels.dialect import (
     render,
     split_kernels,
 )
-from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel, kernel_sources
+from llm_paged_mlx.kernels.fused import REGISTER_FILE, CudaKernel, MetalKernel, kernel_sources
 from llm_paged_mlx.kernels.fused_check import check_error
 from llm_paged_mlx.kernels.latent import latent_source
 from llm_paged_mlx.kernels.quantized import QuantizedPool
@@ -162,14 +162,14 @@ def test_fused_kernel_supports_the_quantized_pools_it_renders():
 
 def test_fused_kernel_splits_few_rows_over_more_simd_groups_within_registers_and_threadgroup_memory():
     cuda, metal = CudaKernel(), MetalKernel()
-    assert cuda.warp_choices(4) == [4, 8, 16] and metal.warp_choices(4) == [4]
-    assert cuda.warp_choices(8) == [4, 8]  # 16 simd groups of 8 heads' queries and sums: more than an SM's registers
+    assert cuda.warp_choices(4) == cuda.warp_choices(5) == [4, 8, 16] and metal.warp_choices(4) == [4]
+    assert cuda.warp_choices(6) == cuda.warp_choices(8) == [4, 8]  # 16 of them: more registers than an SM has
     assert CudaKernel(warps=8).warp_choices(4) == [8]
     # threadgroups = rows x KV heads x head groups x partitions; the grid keeps at most 2048 simd groups
     assert cuda._warps(8, 4) == cuda._warps(128, 4) == 16  # 1 and 16 rows of 8 KV heads
     assert cuda._warps(256, 4) == 8 and cuda._warps(512, 4) == cuda._warps(10**6, 4) == 4
     assert cuda._warps(8, 8) == 8 and metal._warps(8, 4) == 4 and CudaKernel(warps=8)._warps(10**6, 4) == 8
-    for kernel in (cuda, metal):
+    for kernel in (cuda,):
         for heads, dim, block in ((1, 64, 16), (4, 128, 16), (8, 128, 32), (8, 256, 16)):
             for warps in kernel.warp_choices(heads):
                 slots = kernel._slots(warps, heads, dim, block)
@@ -179,6 +179,7 @@ def test_fused_kernel_splits_few_rows_over_more_simd_groups_within_registers_and
                 assert slots == warps or more > kernel.dialect.shared_memory
     assert cuda._slots(16, 4, 128, 16) == 16  # Llama-8B: every simd group's sums at once
     assert cuda._slots(8, 8, 256, 16) == 3
+    assert metal._slots(4, 4, 128, 16) == metal._slots(4, 1, 64, 16) == 1  # one at a time, as before
 
 
 CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "float"}
@@ -224,6 +225,28 @@ def compile_with_nvcc(tmp_path, sources: list[str], *flags: str) -> list[str]:
     return outputs
 
 
+def fused_cuda_source(bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap, warps, slots,
+                      new=False) -> str:
+    """The partition and reduce kernels of one variant, wrapped as mx.fast.cuda_kernel wraps them."""
+    kernels = kernel_sources(read_template(), CUDA, bits, group, new)
+    ctype = CUDA_TYPES[dtype]
+    names = ["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases", "new_k", "new_v"]
+    params = dict.fromkeys(names, ctype)
+    if bits:
+        params["k_pool"] = params["v_pool"] = "uint32_t"
+    params.update(block_tables="int32_t", context_lens="int32_t", table_starts="int32_t", sinks=ctype)
+    params.update(params="float", part_m="float", part_l="float")
+    masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
+    constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=warps, SLOTS=slots, ONE=one, **masking)
+    return (
+        CUDA_PREAMBLE
+        + kernels["partition"].header
+        + cuda_source(kernels["partition"], {**params, "part_out": ctype if one else "float"}, constants)
+        + cuda_source(kernels["reduce"], {**params, "part_out": "float", "out": ctype}, dict(T=dtype, D=dim, PART=512,
+                                                                                               **masking))
+    )
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_rendering_compiles_with_nvcc(tmp_path):
     """Wraps each variant's CUDA rendering the way mx.fast.cuda_kernel does and compiles it for sm_90.
@@ -235,34 +258,39 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         (None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16),
         (None, None, mx.float32, 64, 32, 1, 1, True, 0, False, False, 8, 8),
         (4, 64, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False, 16, 16),
-        (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False, 16, 3),
+        (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False, 8, 3),
         (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False, 4, 4),
         (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True, 8, 8),
     ]
-    sources = []
-    for bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap, warps, slots in cases:
-        kernels = kernel_sources(read_template(), CUDA, bits, group)
-        ctype = CUDA_TYPES[dtype]
-        params = dict.fromkeys(["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases"], ctype)
-        if bits:
-            params["k_pool"] = params["v_pool"] = "uint32_t"
-        params.update(block_tables="int32_t", context_lens="int32_t", table_starts="int32_t", sinks=ctype)
-        params.update(params="float", part_m="float", part_l="float")
-        masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
-        constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=warps, SLOTS=slots, ONE=one,
-                         **masking)
-        sources.append(
-            CUDA_PREAMBLE
-            + kernels["partition"].header
-            + cuda_source(kernels["partition"], {**params, "part_out": ctype if one else "float"}, constants)
-            + cuda_source(
-                kernels["reduce"],
-                {**params, "part_out": "float", "out": ctype},
-                dict(T=dtype, D=dim, PART=512, **masking),
-            )
-        )
+    sources = [fused_cuda_source(*case) for case in cases]
     # 177: a variable declared and never used (the prelude's pa_group_x in the reduce kernel)
     compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177")
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
+    """For the heads a group takes, the most simd groups ``warp_choices`` allows launch: the partition
+    kernel's registers (ptxas, rounded up to 8 a thread) times its threads fit ``REGISTER_FILE``. The
+    variants that take the most registers at each count of heads (every variant was compiled once)."""
+    kernel = CudaKernel()
+    cases = [  # bits, group, dtype, D, BS, HPG, new
+        (None, None, mx.float32, 256, 16, 5, True),
+        (None, None, mx.bfloat16, 256, 16, 4, False),
+        (None, None, mx.bfloat16, 256, 16, 6, True),
+        (4, 64, mx.bfloat16, 256, 16, 8, False),
+    ]
+    sources, threads = [], []
+    for bits, group, dtype, dim, block, hpg, new in cases:
+        warps = max(kernel.warp_choices(hpg))
+        slots = kernel._slots(warps, hpg, dim, block)
+        sources.append(fused_cuda_source(bits, group, dtype, dim, block, hpg, hpg, False, 0, False, False, warps,
+                                         slots, new))  # fmt: skip
+        threads.append(warps * 32)
+    outputs = compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177", "-Xptxas", "-v")
+    for case, output, count in zip(cases, outputs, threads):
+        properties = r"Function properties for \w*partition\w*\n.*?Used (\d+) registers"
+        used = int(re.search(properties, output, re.S)[1])
+        assert -(-used // 8) * 8 * count <= REGISTER_FILE, (case, used, count)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -56,7 +56,8 @@ MAX_HEADS_PER_GROUP = 8
 MIN_WARPS = 4
 FILL_SIMD_GROUPS = 2048
 # 32-bit registers a CUDA SM has for its resident threads: a threadgroup may not need more. A thread of the
-# partition kernel holds about 2 * VEC values per query head (its query and its sums) and 32 more.
+# partition kernel holds 2 * VEC values per query head (its query and its sums) and up to 40 more (ptxas for
+# sm_90: 116 registers at most for 5 heads a group, 168 for 6; tests/test_kernel_sources.py checks them).
 REGISTER_FILE = 65536
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
@@ -125,6 +126,7 @@ class FusedKernel(AttentionKernel):
     # context: benchmarks/RESULTS.md).
     row_prefill_max_reads = 1 << 18
     max_warps = MIN_WARPS  # the most simd groups a threadgroup of few rows takes (a power of two)
+    max_slots = None  # the most simd groups' sums kept at once (None: as many as threadgroup memory holds)
 
     def __init__(
         self,
@@ -326,10 +328,10 @@ class FusedKernel(AttentionKernel):
     def warp_choices(self, heads_per_group: int) -> list[int]:
         """The simd groups per threadgroup ``decode`` may choose for query heads in groups of
         ``heads_per_group`` (each is self-checked): powers of two from MIN_WARPS to ``max_warps``, as many as
-        the registers of one SM hold."""
+        ``REGISTER_FILE`` holds by its estimate of a thread's registers."""
         if self.warps:
             return [self.warps]
-        registers = SIMD * (2 * VEC * heads_per_group + 32)
+        registers = SIMD * (2 * VEC * heads_per_group + 40)
         choices = [MIN_WARPS]
         while choices[-1] * 2 <= self.max_warps and choices[-1] * 2 * registers <= REGISTER_FILE:
             choices.append(choices[-1] * 2)
@@ -342,10 +344,10 @@ class FusedKernel(AttentionKernel):
         return max([w for w in choices if w * threadgroups <= FILL_SIMD_GROUPS], default=min(choices))
 
     def _slots(self, warps: int, heads_per_group: int, dim: int, block_size: int) -> int:
-        """How many simd groups' partial sums fit the threadgroup memory the partition kernel's other arrays
-        leave (the template's SLOTS), at least one."""
+        """How many simd groups' partial sums are kept at once (the template's SLOTS): as many as fit the
+        threadgroup memory the partition kernel's other arrays leave, at least one, at most ``max_slots``."""
         free = self.dialect.shared_memory - self.shared_bytes(heads_per_group, dim, block_size, slots=0)
-        return max(1, min(warps, free // (4 * heads_per_group * dim)))
+        return max(1, min(warps, self.max_slots or warps, free // (4 * heads_per_group * dim)))
 
     def shared_bytes(self, heads_per_group: int, dim: int, block_size: int, slots: int) -> int:
         """Threadgroup memory the partition kernel declares: a slice's block ids, its probabilities, two floats
@@ -433,9 +435,11 @@ class MetalKernel(FusedKernel):
     # Not on Metal: MLX orders its command buffers there by the arrays kernels give, and a pool written in
     # place is not one of them, so a later step could read a slot before it is written. Untested here.
     in_place_writes = False
-    # Apple GPUs have tens of cores, not the H200's 132 SMs, and more simd groups a threadgroup were measured
-    # only on the H200: Metal keeps MIN_WARPS.
+    # Measured only on the H200, whose 132 SMs few rows leave idle: Metal keeps MIN_WARPS simd groups, and adds
+    # their sums one at a time in the threadgroup memory it used before (more would leave room for fewer
+    # threadgroups on a core), until an Apple GPU is measured.
     max_warps = MIN_WARPS
+    max_slots = 1
 
     def is_available(self) -> bool:
         return mx.metal.is_available() and mx.default_device() == mx.gpu
