@@ -1,5 +1,8 @@
 # make demo: set up .venv and answer one question with the offline default model.
-# make test: run the test suite in a venv of its own (.venv-test), leaving .venv as make demo made it.
+# make test: run the test suite in a venv of its own (.venv-test), leaving .venv as make demo made it:
+# a worker process a core (pytest-xdist), each taking whole test modules, so a module's fixtures are
+# built once; OpenBLAS on one thread a process, so that workers, and the processes tests start, do
+# not spin on each other's cores.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -16,7 +19,7 @@ demo: install openblas
 
 test: openblas $(TEST_VENV)/bin/python
 	$(TEST_VENV)/bin/pip install -q -e ".[test]" -e tests/plugin_pkg
-	$(TEST_VENV)/bin/python -m pytest -q
+	OPENBLAS_NUM_THREADS=1 $(TEST_VENV)/bin/python -m pytest -q -n auto --dist loadfile
 
 install: $(VENV)/bin/python
 	$(VENV)/bin/pip install -q -e .

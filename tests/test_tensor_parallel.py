@@ -30,6 +30,13 @@ RANKS = 2
 HERE = Path(__file__).parent
 
 
+def ranks_env(**variables: str) -> dict:
+    """The environment of processes that start ranks: this one's, with ``variables``, and OpenBLAS on one
+    thread a rank. The ranks share 2 cores, and a BLAS thread that spins after its product takes the core
+    another rank's collective waits for."""
+    return {**os.environ, "OPENBLAS_NUM_THREADS": "1", **variables}
+
+
 def free_ports(n: int) -> list[int]:
     sockets = [socket.socket() for _ in range(n)]
     for s in sockets:
@@ -45,7 +52,7 @@ def run_ranks(tmp_path, case: str, arch: str, size: int = RANKS) -> list[dict]:
     hosts = tmp_path / "hosts.json"
     hosts.write_text(json.dumps([[f"127.0.0.1:{port}"] for port in free_ports(size)]))
     outs = [tmp_path / f"rank{rank}.json" for rank in range(size)]
-    env = {**os.environ, "MLX_HOSTFILE": str(hosts), "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = ranks_env(MLX_HOSTFILE=str(hosts), PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     ranks = [
         subprocess.Popen(
             [sys.executable, str(HERE / "tensor_parallel_rank.py"), case, arch, str(out)],
@@ -185,7 +192,7 @@ class Served:
 
         (port,) = free_ports(1)
         self.folder, self.url = folder, f"http://127.0.0.1:{port}"
-        env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
+        env = ranks_env(LLM_USER_PATH=str(tmp_path / "llm"))
         command = [sys.executable, "-m", "llm_paged_mlx", "serve", str(folder), "--port", str(port),
                    "--tensor-parallel", "2", "--backend", "ring", "-o", "kv_budget", "32MB"]  # fmt: skip
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -294,7 +301,7 @@ def test_an_llm_prompt_over_two_ranks_gives_mlx_lm_text_and_leaves_no_follower(t
     not a module of the current directory. A model whose heads do not divide by the ranks is refused,
     by name, with status 1, before any other rank starts."""
     folder = tiny_model_folder(tmp_path / "tiny-llama", chat_template=False)
-    env = {**os.environ, "LLM_USER_PATH": str(tmp_path / "llm")}
+    env = ranks_env(LLM_USER_PATH=str(tmp_path / "llm"))
     subprocess.run([LLM, "paged-mlx", "add", str(folder), "--alias", "tiny-tp"], env=env, check=True)
     here = tmp_path / "work"
     here.mkdir()
@@ -314,7 +321,7 @@ def test_an_llm_prompt_over_two_ranks_gives_mlx_lm_text_and_leaves_no_follower(t
 
 def lead(case: str, folder: Path):
     """tests/tensor_parallel_lead.py's ``case`` over ``folder``, run to its end."""
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env = ranks_env(PYTHONPATH=f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     command = [sys.executable, str(HERE / "tensor_parallel_lead.py"), case, str(folder)]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
 
