@@ -15,6 +15,7 @@ from llm_paged_mlx.engine.memory import step_reserve
 from llm_paged_mlx.models import quantized_rows
 from llm_paged_mlx.models.merged_projections import merge_projections
 from llm_paged_mlx.models.quantized_rows import (
+    CPU_DEQUANTIZED_ROWS,
     DEQUANTIZED_ROWS,
     MATVEC_ROWS,
     PADDED_ROWS,
@@ -28,7 +29,9 @@ from models import tiny_any, tiny_model
 from test_engine import random_prompts, reference
 
 
-def test_folded_layers_give_the_same_values_for_rows_and_for_a_sequence():
+def test_folded_layers_give_the_same_values_for_rows_and_for_a_sequence(monkeypatch):
+    """Folding alone (no route by rows: MLX's quantized product) gives the values bit for bit."""
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: {})
     mx.random.seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.Linear(96, 32))
     model.layers.append(nn.Embedding(32, 64))
@@ -55,7 +58,7 @@ def routed_model(dtype, monkeypatch):
     model.set_dtype(dtype)
     nn.quantize(model, group_size=32, bits=4)
     unfolded = copy.deepcopy(model)
-    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: quantized_rows.CUDA_ROUTES)
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
     return unfolded, model
 
@@ -81,11 +84,70 @@ def test_products_by_rows_take_routes_that_give_the_quantized_product(rows, dtyp
         assert (mx.linalg.norm(g - w) <= tolerance * mx.linalg.norm(w)).item()
 
 
+@pytest.fixture
+def on_the_cpu():
+    """MLX's CPU as the default device, as on this machine (a Mac's default is its GPU)."""
+    device = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(device)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("rows", [1, CPU_DEQUANTIZED_ROWS - 1, CPU_DEQUANTIZED_ROWS, 100])
+def test_on_the_cpu_products_of_many_rows_multiply_the_dequantized_weights(rows, dtype, on_the_cpu, monkeypatch):
+    """MLX's CPU quantized product takes its rows one at a time: from CPU_DEQUANTIZED_ROWS rows on, a product
+    (of any dtype, the output head's too) multiplies the dequantized weights, with the quantized product's
+    values; fewer rows keep MLX's product. A step's memory holds the dequantized weights from there."""
+    mx.random.seed(1)
+    model = nn.Sequential(nn.Linear(128, 96, bias=True), nn.Embedding(96, 128))
+    model.set_dtype(dtype)
+    nn.quantize(model, group_size=32, bits=4)
+    unfolded = copy.deepcopy(model)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    x = mx.random.normal((rows, 1, 128)).astype(dtype)
+    want = [unfolded.layers[0](x), unfolded.layers[1].as_linear(x)]
+    fold_quantized_rows(model)
+    dequantized = []
+    dequantize = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: dequantized.append(1) or dequantize(*a, **k))
+    got = [model.layers[0](x), model.layers[1].as_linear(x)]
+    assert len(dequantized) == (2 if rows >= CPU_DEQUANTIZED_ROWS else 0)
+    tolerance = 1e-5 if dtype == mx.float32 else 3e-2
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = g.astype(mx.float32), w.astype(mx.float32)
+        assert (mx.linalg.norm(g - w) <= tolerance * mx.linalg.norm(w)).item()
+    assert quantized_rows.dequantized_rows() == CPU_DEQUANTIZED_ROWS
+    assert quantized_rows.dequantized_bytes(model.layers[0]) == 96 * 128 * 4  # rows of any dtype: float32's room
+
+
+def test_on_the_cpu_an_engine_over_a_4_bit_model_prefills_through_the_dequantized_weights(on_the_cpu, monkeypatch):
+    """A prompt's chunk multiplies the dequantized weights, one stream's decode steps MLX's quantized product:
+    the greedy tokens are mlx-lm's."""
+    model = tiny_model("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    prompts = random_prompts([40, 9])
+    expected = [reference(model, p, 8) for p in prompts]
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    products = []
+    real = quantized_rows._dequantized
+    counted = lambda layer, x: products.append(x.size // x.shape[-1]) or real(layer, x)  # noqa: E731
+    route = dataclasses.replace(quantized_rows.CPU_ROUTES["dequantized"], product=counted)
+    monkeypatch.setitem(quantized_rows.CPU_ROUTES, "dequantized", route)
+    engine = Engine(model, num_blocks=64)
+    for prompt, want in zip(prompts, expected):
+        products.clear()
+        (output,) = engine.generate([prompt], SamplingParams(max_tokens=8))
+        assert output.token_ids == want
+        assert products and min(products) >= CPU_DEQUANTIZED_ROWS  # each of the prompt's chunks, not the decode steps
+
+
 def test_routes_that_give_other_values_warn_and_are_not_taken(monkeypatch):
     unfolded, model = routed_model(mx.bfloat16, monkeypatch)
-    for name, route in list(quantized_rows.ROUTES.items()):
+    for name, route in list(quantized_rows.CUDA_ROUTES.items()):
         wrong = lambda layer, x: 2 * quantized_rows._quantized_product(layer, x)  # noqa: E731
-        monkeypatch.setitem(quantized_rows.ROUTES, name, dataclasses.replace(route, product=wrong))
+        monkeypatch.setitem(quantized_rows.CUDA_ROUTES, name, dataclasses.replace(route, product=wrong))
     with pytest.warns(RuntimeWarning, match=r"quantized products by rows \(dequantized\) gave other values"):
         fold_quantized_rows(model)
     for rows in (3, DEQUANTIZED_ROWS):
@@ -144,7 +206,7 @@ def test_a_small_layer_checked_first_leaves_the_matvec_kernel_to_large_ones(monk
     model = nn.Sequential(nn.Linear(128, 16), nn.Embedding(96, 128))
     nn.quantize(model, group_size=32, bits=4)
     unfolded = copy.deepcopy(model)
-    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: quantized_rows.CUDA_ROUTES)
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
     monkeypatch.setattr(quantized_rows, "matvec_available", lambda: True)
     calls = []
@@ -185,7 +247,7 @@ def test_a_route_check_that_fails_warns_and_leaves_mlx_s_product(monkeypatch):
 
 def test_only_affine_quantization_takes_routes(monkeypatch):
     """Other modes (scales of their own dtype, as mxfp4's) keep MLX's quantized product, with no warning."""
-    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: quantized_rows.CUDA_ROUTES)
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
     model = nn.Sequential(nn.QuantizedLinear(64, 32, group_size=32, bits=4, mode="mxfp4"))
     with warnings.catch_warnings():
@@ -201,11 +263,11 @@ def test_a_step_reserves_the_largest_weights_it_dequantizes(monkeypatch):
     model = tiny_model("llama")
     model.set_dtype(mx.bfloat16)
     nn.quantize(model, group_size=32, bits=4)
-    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: False)
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: {})
     fold_quantized_rows(model)
     shapes = [(64, 4), (2048, 4), (2048, 2048)]
     before = {shape: step_reserve(model, *shape) for shape in shapes}
-    monkeypatch.setattr(quantized_rows, "routes_by_rows", lambda: True)
+    monkeypatch.setattr(quantized_rows, "device_routes", lambda: quantized_rows.CUDA_ROUTES)
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
     sizes = {}
     for name, module in model.named_modules():

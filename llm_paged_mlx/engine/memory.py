@@ -21,7 +21,7 @@ import mlx.nn as nn
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.merged_projections import MergedPart
 from ..models.adapt import model_config
-from ..models.quantized_rows import DEQUANTIZED_ROWS, dequantized_bytes
+from ..models.quantized_rows import dequantized_bytes, dequantized_rows
 
 OVERSHOOT = 1 / 40  # of the total: MLX's allocations pass its limit by up to one array (measured: 1.5%)
 
@@ -79,13 +79,15 @@ def step_reserve(model, max_tokens: int, logit_rows: int) -> int:
 
 
 def _largest_dequantized(model, max_tokens: int, logit_rows: int) -> int:
-    """The bytes of the largest weight a step dequantizes: a layer's once it multiplies ``DEQUANTIZED_ROWS``
+    """The bytes of the largest weight a step dequantizes: a layer's once it multiplies ``dequantized_rows()``
     rows (the output head's rows are the logits'), merged projections as one."""
-    largest = 0
+    largest, rows = 0, dequantized_rows()
+    if rows is None:
+        return 0
     for name, module in model.named_modules():
         layer = module.product.merged if isinstance(module, MergedPart) else module
         head = name.split(".")[-1] == "lm_head" or isinstance(layer, nn.QuantizedEmbedding)
-        if (logit_rows if head else max_tokens) >= DEQUANTIZED_ROWS:
+        if (logit_rows if head else max_tokens) >= rows:
             largest = max(largest, dequantized_bytes(layer))
     return largest
 

@@ -9,17 +9,21 @@ the weights once per row) or as tiles padded from one row. The layers here
 reshape their input to ``(1, T, K)`` first: one product with the same values,
 the shape mlx-lm's own prefill gives it.
 
-On MLX's CUDA backend a quantized linear layer's product also takes the route
-that is fastest for its number of rows (``benchmarks/quantized_matmul_rows.py``):
-up to ``MATVEC_ROWS`` rows of large weights go through a kernel of this package
-(``kernels.quantized_matvec``: MLX's own reads 4-bit weights at a fraction of
-the memory's rate), other rows below 8 go padded to 8 (MLX
-takes a route three times slower below 8), and ``DEQUANTIZED_ROWS`` or more
-(prefill chunks, large batches) in half precision multiply the weights
-dequantized to their dtype, one layer's at a time (``dequantized_bytes``: what
-a step's memory holds for them). Each route is checked against the exact
+On MLX's CUDA backend and on the CPU a quantized linear layer's product also takes
+the route that is fastest for its number of rows (``device_routes``;
+``benchmarks/quantized_matmul_rows.py``). On CUDA: up to ``MATVEC_ROWS`` rows of
+large weights go through a kernel of this package (``kernels.quantized_matvec``:
+MLX's own reads 4-bit weights at a fraction of the memory's rate), other rows
+below 8 go padded to 8 (MLX takes a route three times slower below 8), and
+``DEQUANTIZED_ROWS`` or more (prefill chunks, large batches) in half precision
+multiply the weights dequantized to their dtype. On the CPU, MLX's quantized
+product takes its rows one at a time, so that ``CPU_DEQUANTIZED_ROWS`` or more
+rows multiply the weights dequantized to the rows' dtype, whatever it and the
+scales' are (the CPU multiplies float32 in float32). Weights are dequantized
+one layer's at a time (``dequantized_bytes``: what a step's memory holds for
+them). Each route is checked against the exact
 product when a model is folded, once per quantization, dtype and input width,
-and not taken on a difference.
+and not taken on a difference. Metal keeps MLX's product (unmeasured).
 
 MLA's ``MultiLinear`` (one matrix per head, mlx-lm's ``mla`` module) gets
 queries ``(T, H, 1, D)``, which ``x @ w`` takes as ``T * H`` products of one
@@ -29,7 +33,7 @@ row; folded, they go as ``(1, H, T, D)``: one ``(T, D)`` product per head.
 import copy
 import warnings
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import mlx.core as mx
 import mlx.nn as nn
@@ -46,6 +50,9 @@ MATVEC_MIN_WEIGHTS = 32 * 1024**2
 PADDED_ROWS = 8
 DEQUANTIZED_ROWS = 256
 DEQUANTIZED_DTYPES = (mx.float16, mx.bfloat16)  # CUDA multiplies float32 at TF32's precision: not float32
+# On the CPU, dequantizing a layer's weights costs about as much as MLX's quantized product of 3 to 6 rows
+# (benchmarks/RESULTS.md): from 8 rows on, the dequantized weights are the faster route for every layer.
+CPU_DEQUANTIZED_ROWS = 8
 CHECK_ROWS = 1000  # output rows of a layer its check multiplies (every input column): no multiple of a kernel's tile
 # A route's check: relative L2 error against the float32 product of the same dequantized weights, and no output
 # off by more than that share of the largest (a wrong route is off by about 1; MLX's own bfloat16 quantized
@@ -53,11 +60,6 @@ CHECK_ROWS = 1000  # output rows of a layer its check multiplies (every input co
 CHECK_TOLERANCE = {mx.float32: 5e-3, mx.float16: 2e-2, mx.bfloat16: 5e-2}
 
 _routes_agree: dict[tuple, dict[str, bool]] = {}  # _route_key(layer) -> {route: whether it passed its check}
-
-
-def routes_by_rows() -> bool:
-    """Whether quantized products here take a route by their number of rows: on MLX's CUDA backend."""
-    return mx.default_device() == mx.gpu and mx.cuda.is_available()
 
 
 def _folded(multiply, x: mx.array) -> mx.array:
@@ -113,46 +115,68 @@ def _matvec_pays(layer: nn.Module) -> bool:
     return layer.weight.shape[0] * layer.weight.shape[1] * 32 // layer.bits >= MATVEC_MIN_WEIGHTS
 
 
-def _takes_dequantized(layer: nn.Module, x: mx.array) -> bool:
-    return _rows(x) >= DEQUANTIZED_ROWS and x.dtype == layer.scales.dtype and x.dtype in DEQUANTIZED_DTYPES
+def _same_dtype(layer: nn.Module, x: mx.array) -> bool:
+    return x.dtype == layer.scales.dtype
 
 
 @dataclass(frozen=True)
 class Route:
-    """A way to multiply: whether it computes a product (by its rows and dtypes, what its check covers), the
-    product, the rows its check multiplies, and whether it is the faster way for a layer's weights."""
+    """A way to multiply: whether it computes a product (from ``min_rows`` rows, of ``dtypes`` (None: any), and
+    what ``takes`` asks: what its check covers), the product, the rows its check multiplies, and whether it is
+    the faster way for a layer's weights."""
 
     takes: Callable[[nn.Module, mx.array], bool]
     product: Callable[[nn.Module, mx.array], mx.array]
     check_rows: tuple[int, ...]
     pays: Callable[[nn.Module], bool] = lambda layer: True
+    min_rows: int = 1
+    dtypes: Optional[tuple] = None
+
+    def applies(self, layer: nn.Module, x: mx.array) -> bool:
+        return _rows(x) >= self.min_rows and self.multiplies(x.dtype) and self.takes(layer, x)
+
+    def multiplies(self, dtype) -> bool:
+        return self.dtypes is None or dtype in self.dtypes
 
 
-# A product takes the first route that takes it, passed its check and pays, else MLX's quantized product.
-ROUTES = {
+# A product takes the first route of its device that applies, passed its check and pays, else MLX's product.
+CUDA_ROUTES = {
     "matvec": Route(_takes_matvec, _matvec, (1, MATVEC_ROWS), _matvec_pays),
-    "padded": Route(lambda layer, x: 1 < _rows(x) < PADDED_ROWS, _padded, (3,)),
-    "dequantized": Route(_takes_dequantized, _dequantized, (DEQUANTIZED_ROWS,)),
-}
+    "padded": Route(lambda layer, x: _rows(x) < PADDED_ROWS, _padded, (3,), min_rows=2),
+    "dequantized": Route(_same_dtype, _dequantized, (DEQUANTIZED_ROWS,), min_rows=DEQUANTIZED_ROWS,
+                         dtypes=DEQUANTIZED_DTYPES),
+}  # fmt: skip
+CPU_ROUTES = {
+    "dequantized": Route(lambda layer, x: True, _dequantized, (CPU_DEQUANTIZED_ROWS, 100),
+                         min_rows=CPU_DEQUANTIZED_ROWS),
+}  # fmt: skip
+
+
+def device_routes() -> dict[str, Route]:
+    """The routes by rows of the default device: CUDA's, the CPU's, or none (Metal)."""
+    if mx.default_device() == mx.cpu:
+        return CPU_ROUTES
+    return CUDA_ROUTES if mx.cuda.is_available() else {}
 
 
 def _routed(layer: nn.Module, x: mx.array) -> mx.array:
-    """``x @ W.T`` by the first route that takes x's rows and passed its check, else MLX's quantized product."""
+    """``x @ W.T`` by the first route that applies to x and passed its check, else MLX's quantized product."""
     passed = _routes_agree[_route_key(layer)]
-    for name, route in ROUTES.items():
-        if passed[name] and route.takes(layer, x) and route.pays(layer):
+    for name, route in device_routes().items():
+        if passed.get(name) and route.applies(layer, x) and route.pays(layer):
             return route.product(layer, x)
     return _quantized_product(layer, x)
 
 
 def _route_key(layer: nn.Module) -> tuple:
-    """What a check's verdict holds for: a quantization, a dtype and an input width."""
-    return layer.group_size, layer.bits, layer.mode, layer.scales.dtype, layer.weight.shape[1]
+    """What a check's verdict holds for: a device, a quantization, a dtype and an input width."""
+    quantization = layer.group_size, layer.bits, layer.mode
+    return str(mx.default_device()), *quantization, layer.scales.dtype, layer.weight.shape[1]
 
 
 def _routes_on(layer: nn.Module) -> bool:
-    # Called for every product: no verdict yet (the CPU, Metal) answers at once.
-    return bool(_routes_agree) and routes_by_rows() and _route_key(layer) in _routes_agree
+    # Called for every product: no verdict yet answers at once.
+    return bool(_routes_agree) and _route_key(layer) in _routes_agree
 
 
 def check_routes(layer: nn.Module) -> bool:
@@ -165,7 +189,7 @@ def check_routes(layer: nn.Module) -> bool:
         return False
     if key not in _routes_agree:
         passed = {}
-        for name in ROUTES:
+        for name in device_routes():
             try:
                 agrees = _agrees(layer, name)
                 problem = "gave other values"
@@ -173,9 +197,10 @@ def check_routes(layer: nn.Module) -> bool:
                 agrees, problem = False, f"failed ({exc})"
             passed[name] = bool(agrees)
             if agrees is False:
-                warnings.warn(f"quantized products by rows ({name}) {problem} for group size {key[0]}, {key[1]} "
-                              f"bits, {key[3]}, {key[4] * 32 // key[1]} inputs: MLX's quantized product is used "
-                              "there", RuntimeWarning, stacklevel=2)  # fmt: skip
+                _, group_size, bits, _, dtype, words = key
+                warnings.warn(f"quantized products by rows ({name}) {problem} for group size {group_size}, {bits} "
+                              f"bits, {dtype}, {words * 32 // bits} inputs: MLX's quantized product is used there",
+                              RuntimeWarning, stacklevel=2)  # fmt: skip
         _routes_agree[key] = passed
     return any(_routes_agree[key].values())
 
@@ -183,7 +208,7 @@ def check_routes(layer: nn.Module) -> bool:
 def _agrees(layer: nn.Module, name: str):
     """Whether route ``name`` gives the product on its check's rows (fresh ones, and rows that start one value
     into an array, which a kernel may get at any address); None where it takes none of them."""
-    route = ROUTES[name]
+    route = device_routes()[name]
     probe = copy.copy(layer)  # the same settings, its first output rows
     probe.update({part: value[:CHECK_ROWS] for part, value in zip(("weight", "scales", "biases"), _weights(layer))
                   if value is not None})  # fmt: skip
@@ -197,7 +222,7 @@ def _agrees(layer: nn.Module, name: str):
         fresh = mx.random.normal((1, rows, width), key=key).astype(dtype)
         offset = mx.random.normal((rows, width + 1), key=key).astype(dtype)[None, :, 1:]
         for x in (fresh, offset):
-            if not route.takes(probe, x):
+            if not route.applies(probe, x):
                 continue
             taken = True
             want = x.astype(mx.float32) @ exact.T
@@ -209,15 +234,23 @@ def _agrees(layer: nn.Module, name: str):
     return True if taken else None
 
 
+def dequantized_rows() -> Optional[int]:
+    """The fewest rows whose products multiply dequantized weights on the default device (None: none do)."""
+    route = device_routes().get("dequantized")
+    return route.min_rows if route else None
+
+
 def dequantized_bytes(layer: nn.Module) -> int:
     """The bytes of ``layer``'s weights as a step may dequantize them (0: never dequantized)."""
     folded = isinstance(layer, (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding))
-    if not folded or layer.scales.dtype not in DEQUANTIZED_DTYPES or not _routes_on(layer):
+    route = device_routes().get("dequantized")
+    if not folded or route is None or not route.multiplies(layer.scales.dtype) or not _routes_on(layer):
         return 0
-    if not _routes_agree[_route_key(layer)]["dequantized"]:
+    if not _routes_agree[_route_key(layer)].get("dequantized"):
         return 0
     rows, words = layer.weight.shape
-    return rows * (words * 32 // layer.bits) * layer.scales.dtype.size
+    size = layer.scales.dtype.size if route.dtypes else mx.float32.size  # a route of any dtype: rows of float32
+    return rows * (words * 32 // layer.bits) * size
 
 
 class RowFoldedQuantizedLinear(nn.QuantizedLinear):
@@ -281,6 +314,6 @@ def fold_quantized_rows(model: nn.Module) -> int:
         if folded is not None:
             module.__class__ = folded  # same attributes and weights: only the call changes
             changed += 1
-            if routes_by_rows() and folded in (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding):
+            if device_routes() and folded in (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding):
                 check_routes(module)
     return changed
