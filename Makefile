@@ -1,12 +1,13 @@
 # make demo: set up .venv and answer one question with the offline default model.
 # make test: run the test suite in a venv of its own (.venv-test), leaving .venv as make demo made it:
-# a worker process a core (pytest-xdist), each taking whole test modules, so a module's fixtures are
-# built once; OpenBLAS on one thread a process, so that workers, and the processes tests start, do
-# not spin on each other's cores.
+# a worker process a core, up to TEST_WORKERS (pytest-xdist), each taking whole test modules, so a
+# module's fixtures are built once; OpenBLAS on one thread a process, so that workers, and the
+# processes tests start, do not spin on each other's cores.
 
 PYTHON ?= python3
 VENV ?= .venv
 TEST_VENV ?= .venv-test
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, os.cpu_count() or 1))")
 # MLX's Linux CPU wheel bundles the slow reference BLAS; once OpenBLAS is installed, the package
 # makes MLX call it instead (llm_paged_mlx_openblas.py).
 OPENBLAS := /usr/lib/$(shell uname -m)-linux-gnu/openblas-pthread/libblas.so.3
@@ -19,7 +20,7 @@ demo: install openblas
 
 test: openblas $(TEST_VENV)/bin/python
 	$(TEST_VENV)/bin/pip install -q -e ".[test]" -e tests/plugin_pkg
-	OPENBLAS_NUM_THREADS=1 $(TEST_VENV)/bin/python -m pytest -q -n auto --dist loadfile
+	OPENBLAS_NUM_THREADS=1 $(TEST_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 install: $(VENV)/bin/python
 	$(VENV)/bin/pip install -q -e .

@@ -278,8 +278,12 @@ def test_a_prompt_that_can_never_fit_names_the_largest_context():
 
 
 @pytest.fixture
-def memory_limit():
-    """MLX's memory limit, put back after the test (an auto budget lowers it)."""
+def memory_limit(monkeypatch):
+    """MLX's memory limit, put back after the test (an auto budget lowers it); the host memory available held at
+    its value now, so that the test and the engine size from the same figure while other processes (other
+    test workers) take and give back memory."""
+    ram = memory.available_ram()
+    monkeypatch.setattr(memory, "available_ram", lambda: ram)
     limit = mx.get_memory_limit()
     yield
     mx.set_memory_limit(limit)

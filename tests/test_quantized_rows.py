@@ -122,6 +122,26 @@ def test_on_the_cpu_products_of_many_rows_multiply_the_dequantized_weights(rows,
     assert quantized_rows.dequantized_bytes(model.layers[0]) == 96 * 128 * 4  # rows of any dtype: float32's room
 
 
+@pytest.mark.parametrize("rows_dtype, scales_dtype", [(mx.float32, mx.float16), (mx.bfloat16, mx.float32)])
+def test_on_the_cpu_rows_and_scales_of_other_dtypes_give_mlx_s_product(rows_dtype, scales_dtype, on_the_cpu,
+                                                                       monkeypatch):  # fmt: skip
+    """A float32 model over half-precision scales (as GGUF weights load), and the other way: the product in the
+    wider dtype, with MLX's values, through the dequantized weights."""
+    mx.random.seed(3)
+    layer = nn.Linear(128, 96)
+    layer.set_dtype(scales_dtype)
+    model = nn.Sequential(layer)
+    nn.quantize(model, group_size=32, bits=4)
+    unfolded = copy.deepcopy(model)
+    monkeypatch.setattr(quantized_rows, "_routes_agree", {})
+    fold_quantized_rows(model)
+    assert quantized_rows._passed(model.layers[0]) == {"dequantized": True}
+    x = mx.random.normal((CPU_DEQUANTIZED_ROWS, 1, 128)).astype(rows_dtype)
+    got, want = model.layers[0](x), unfolded.layers[0](x)
+    assert got.dtype == want.dtype == mx.float32
+    assert (mx.linalg.norm(got - want) <= 1e-5 * mx.linalg.norm(want)).item()
+
+
 def test_on_the_cpu_an_engine_over_a_4_bit_model_prefills_through_the_dequantized_weights(on_the_cpu, monkeypatch):
     """A prompt's chunk multiplies the dequantized weights, one stream's decode steps MLX's quantized product:
     the greedy tokens are mlx-lm's."""
@@ -130,17 +150,21 @@ def test_on_the_cpu_an_engine_over_a_4_bit_model_prefills_through_the_dequantize
     prompts = random_prompts([40, 9])
     expected = [reference(model, p, 8) for p in prompts]
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
-    products = []
-    real = quantized_rows._dequantized
-    counted = lambda layer, x: products.append(x.size // x.shape[-1]) or real(layer, x)  # noqa: E731
-    route = dataclasses.replace(quantized_rows.CPU_ROUTES["dequantized"], product=counted)
-    monkeypatch.setitem(quantized_rows.CPU_ROUTES, "dequantized", route)
     engine = Engine(model, num_blocks=64)
+    quantized_product = quantized_rows._quantized_product
+    rows = []  # of each product MLX's quantized product takes
+    monkeypatch.setattr(quantized_rows, "_quantized_product",
+                        lambda layer, x: rows.append(x.size // x.shape[-1]) or quantized_product(layer, x))  # fmt: skip
+    dequantized = []  # of each product through the dequantized weights
+    dequantize = mx.dequantize
+    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: dequantized.append(1) or dequantize(*a, **k))
     for prompt, want in zip(prompts, expected):
-        products.clear()
+        rows.clear()
+        dequantized.clear()
         (output,) = engine.generate([prompt], SamplingParams(max_tokens=8))
         assert output.token_ids == want
-        assert products and min(products) >= CPU_DEQUANTIZED_ROWS  # each of the prompt's chunks, not the decode steps
+        assert dequantized  # the prompt's chunks
+        assert rows and max(rows) < CPU_DEQUANTIZED_ROWS  # the decode steps, and the output head's one row
 
 
 def test_routes_that_give_other_values_warn_and_are_not_taken(monkeypatch):

@@ -32,8 +32,8 @@ HERE = Path(__file__).parent
 
 def ranks_env(**variables: str) -> dict:
     """The environment of processes that start ranks: this one's, with ``variables``, and OpenBLAS on one
-    thread a rank. The ranks share 2 cores, and a BLAS thread that spins after its product takes the core
-    another rank's collective waits for."""
+    thread a rank. The ranks share this machine's few cores, and a BLAS thread that spins after its product
+    takes the core another rank's collective waits for."""
     return {**os.environ, "OPENBLAS_NUM_THREADS": "1", **variables}
 
 

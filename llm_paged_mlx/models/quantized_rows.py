@@ -22,8 +22,8 @@ rows multiply the weights dequantized to the rows' dtype, whatever it and the
 scales' are (the CPU multiplies float32 in float32). Weights are dequantized
 one layer's at a time (``dequantized_bytes``: what a step's memory holds for
 them). Each route is checked against the exact
-product when a model is folded, once per quantization, dtype and input width,
-and not taken on a difference. Metal keeps MLX's product (unmeasured).
+product when a model is folded, once per kind of device, quantization, dtype
+and input width, and not taken on a difference. Metal keeps MLX's product (unmeasured).
 
 MLA's ``MultiLinear`` (one matrix per head, mlx-lm's ``mla`` module) gets
 queries ``(T, H, 1, D)``, which ``x @ w`` takes as ``T * H`` products of one
@@ -31,6 +31,7 @@ row; folded, they go as ``(1, H, T, D)``: one ``(T, D)`` product per head.
 """
 
 import copy
+import itertools
 import warnings
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -99,7 +100,13 @@ def _padded(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 def _dequantized(layer: nn.Module, x: mx.array) -> mx.array:
-    return x @ mx.dequantize(*_weights(layer), **_quantization(layer), dtype=x.dtype).T
+    """``x @ W.T`` over the weights dequantized in the wider of x's and the scales' dtypes, as MLX's quantized
+    product computes."""
+    weight, scales, biases = _weights(layer)
+    dtype = mx.result_type(x.dtype, scales.dtype)
+    if dtype != scales.dtype:
+        scales, biases = scales.astype(dtype), None if biases is None else biases.astype(dtype)
+    return x @ mx.dequantize(weight, scales, biases, **_quantization(layer), dtype=dtype).T
 
 
 def _takes_matvec(layer: nn.Module, x: mx.array) -> bool:
@@ -122,7 +129,8 @@ def _same_dtype(layer: nn.Module, x: mx.array) -> bool:
 @dataclass(frozen=True)
 class Route:
     """A way to multiply: whether it computes a product (from ``min_rows`` rows, of ``dtypes`` (None: any), and
-    what ``takes`` asks: what its check covers), the product, the rows its check multiplies, and whether it is
+    what ``takes`` asks), the product, the rows its check multiplies (of the scales' dtype, and with
+    ``checks_float32`` of float32 too: a float32 model's rows over half-precision scales), and whether it is
     the faster way for a layer's weights."""
 
     takes: Callable[[nn.Module, mx.array], bool]
@@ -131,6 +139,7 @@ class Route:
     pays: Callable[[nn.Module], bool] = lambda layer: True
     min_rows: int = 1
     dtypes: Optional[tuple] = None
+    checks_float32: bool = False
 
     def applies(self, layer: nn.Module, x: mx.array) -> bool:
         return _rows(x) >= self.min_rows and self.multiplies(x.dtype) and self.takes(layer, x)
@@ -148,7 +157,7 @@ CUDA_ROUTES = {
 }  # fmt: skip
 CPU_ROUTES = {
     "dequantized": Route(lambda layer, x: True, _dequantized, (CPU_DEQUANTIZED_ROWS, 100),
-                         min_rows=CPU_DEQUANTIZED_ROWS),
+                         min_rows=CPU_DEQUANTIZED_ROWS, checks_float32=True),
 }  # fmt: skip
 
 
@@ -159,9 +168,8 @@ def device_routes() -> dict[str, Route]:
     return CUDA_ROUTES if mx.cuda.is_available() else {}
 
 
-def _routed(layer: nn.Module, x: mx.array) -> mx.array:
-    """``x @ W.T`` by the first route that applies to x and passed its check, else MLX's quantized product."""
-    passed = _routes_agree[_route_key(layer)]
+def _routed(layer: nn.Module, x: mx.array, passed: dict[str, bool]) -> mx.array:
+    """``x @ W.T`` by the first route that applies to x and ``passed`` its check, else MLX's quantized product."""
     for name, route in device_routes().items():
         if passed.get(name) and route.applies(layer, x) and route.pays(layer):
             return route.product(layer, x)
@@ -169,21 +177,22 @@ def _routed(layer: nn.Module, x: mx.array) -> mx.array:
 
 
 def _route_key(layer: nn.Module) -> tuple:
-    """What a check's verdict holds for: a device, a quantization, a dtype and an input width."""
+    """What a check's verdict holds for: a kind of device, a quantization, a dtype and an input width."""
     quantization = layer.group_size, layer.bits, layer.mode
-    return str(mx.default_device()), *quantization, layer.scales.dtype, layer.weight.shape[1]
+    return mx.default_device().type, *quantization, layer.scales.dtype, layer.weight.shape[1]
 
 
-def _routes_on(layer: nn.Module) -> bool:
-    # Called for every product: no verdict yet answers at once.
-    return bool(_routes_agree) and _route_key(layer) in _routes_agree
+def _passed(layer: nn.Module) -> Optional[dict[str, bool]]:
+    """Which routes passed their check for ``layer`` (None: not checked here; MLX's product). Called for every
+    product: with no verdict at all, it answers at once."""
+    return _routes_agree.get(_route_key(layer)) if _routes_agree else None
 
 
 def check_routes(layer: nn.Module) -> bool:
     """Whether some route by rows gives ``layer``'s product up to rounding, on random rows (against the float32
-    product of its dequantized weights, over its first ``CHECK_ROWS`` outputs): each route is checked once per
-    quantization, dtype and input width; one that differs (or fails) warns, and is not taken. Only affine
-    quantization (scales of the model's dtype) is routed."""
+    product of its dequantized weights, over its first ``CHECK_ROWS`` outputs): each route of the device is
+    checked once per kind of device, quantization, dtype and input width; one that differs (or fails) warns,
+    and is not taken. Only affine quantization is routed."""
     key = _route_key(layer)
     if layer.mode != "affine":
         return False
@@ -212,12 +221,14 @@ def _agrees(layer: nn.Module, name: str):
     probe = copy.copy(layer)  # the same settings, its first output rows
     probe.update({part: value[:CHECK_ROWS] for part, value in zip(("weight", "scales", "biases"), _weights(layer))
                   if value is not None})  # fmt: skip
-    dtype = layer.scales.dtype
-    tolerance = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[mx.float16])
-    exact = mx.dequantize(*_weights(probe), **_quantization(probe), dtype=mx.float32)
+    weight, scales, biases = _weights(probe)  # dequantized in float32 arithmetic (not the scales' dtype's)
+    exact = mx.dequantize(weight, scales.astype(mx.float32), None if biases is None else biases.astype(mx.float32),
+                          **_quantization(probe), dtype=mx.float32)  # fmt: skip
     width = exact.shape[1]
     taken = False
-    for rows in route.check_rows:
+    dtypes = dict.fromkeys([layer.scales.dtype] + [mx.float32] * route.checks_float32)
+    for rows, dtype in itertools.product(route.check_rows, dtypes):
+        tolerance = CHECK_TOLERANCE.get(dtype, CHECK_TOLERANCE[mx.float16])
         key = mx.random.key(rows)
         fresh = mx.random.normal((1, rows, width), key=key).astype(dtype)
         offset = mx.random.normal((rows, width + 1), key=key).astype(dtype)[None, :, 1:]
@@ -244,9 +255,9 @@ def dequantized_bytes(layer: nn.Module) -> int:
     """The bytes of ``layer``'s weights as a step may dequantize them (0: never dequantized)."""
     folded = isinstance(layer, (RowFoldedQuantizedLinear, RowFoldedQuantizedEmbedding))
     route = device_routes().get("dequantized")
-    if not folded or route is None or not route.multiplies(layer.scales.dtype) or not _routes_on(layer):
+    if not folded or route is None or not route.multiplies(layer.scales.dtype):
         return 0
-    if not _routes_agree[_route_key(layer)].get("dequantized"):
+    if not (_passed(layer) or {}).get("dequantized"):
         return 0
     rows, words = layer.weight.shape
     size = layer.scales.dtype.size if route.dtypes else mx.float32.size  # a route of any dtype: rows of float32
@@ -255,9 +266,10 @@ def dequantized_bytes(layer: nn.Module) -> int:
 
 class RowFoldedQuantizedLinear(nn.QuantizedLinear):
     def __call__(self, x):
-        if not _routes_on(self):
+        passed = _passed(self)
+        if passed is None:
             return _folded(super().__call__, x)
-        out = _folded(lambda rows: _routed(self, rows), x)
+        out = _folded(lambda rows: _routed(self, rows, passed), x)
         return out + self["bias"] if "bias" in self else out
 
 
@@ -273,9 +285,10 @@ class RowFoldedQuantizedShardedToAllLinear(nn.QuantizedShardedToAllLinear):
 
 class RowFoldedQuantizedEmbedding(nn.QuantizedEmbedding):
     def as_linear(self, x):
-        if not _routes_on(self):
+        passed = _passed(self)
+        if passed is None:
             return _folded(super().as_linear, x)
-        return _folded(lambda rows: _routed(self, rows), x)
+        return _folded(lambda rows: _routed(self, rows, passed), x)
 
 
 def _heads_folded(multiply, x: mx.array, transpose: bool) -> mx.array:
