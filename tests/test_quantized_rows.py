@@ -69,19 +69,25 @@ def test_products_by_rows_take_routes_that_give_the_quantized_product(rows, dtyp
     """Each route gives MLX's quantized product: 2-7 rows padded to 8, many half-precision rows through the
     dequantized weights."""
     unfolded, model = routed_model(dtype, monkeypatch)
-    x = mx.random.normal((rows, 1, 128)).astype(dtype)
+    dequantized = folded_products_match(unfolded, model, mx.random.normal((rows, 1, 128)).astype(dtype), monkeypatch)
+    assert bool(dequantized) == (rows >= DEQUANTIZED_ROWS and dtype == mx.bfloat16)
+
+
+def folded_products_match(unfolded, model, x, monkeypatch) -> int:
+    """Fold ``model`` (a linear layer and an embedding, as ``unfolded``) and check that its products of ``x`` are
+    the unfolded model's (MLX's quantized product on this CPU); how many dequantized its weights."""
     want = [unfolded.layers[0](x), unfolded.layers[1].as_linear(x)]
     fold_quantized_rows(model)
     dequantized = []
     dequantize = mx.dequantize
     monkeypatch.setattr(mx, "dequantize", lambda *a, **k: dequantized.append(1) or dequantize(*a, **k))
     got = [model.layers[0](x), model.layers[1].as_linear(x)]
-    assert bool(dequantized) == (rows >= DEQUANTIZED_ROWS and dtype == mx.bfloat16)
-    tolerance = 1e-5 if dtype == mx.float32 else 3e-2  # MLX's bfloat16 quantized product on the CPU: about 1e-2
+    tolerance = 1e-5 if x.dtype == mx.float32 else 3e-2  # MLX's bfloat16 quantized product on the CPU: about 1e-2
     for g, w in zip(got, want):
         assert g.shape == w.shape and g.dtype == w.dtype
         g, w = g.astype(mx.float32), w.astype(mx.float32)
         assert (mx.linalg.norm(g - w) <= tolerance * mx.linalg.norm(w)).item()
+    return len(dequantized)
 
 
 @pytest.fixture
@@ -105,19 +111,8 @@ def test_on_the_cpu_products_of_many_rows_multiply_the_dequantized_weights(rows,
     nn.quantize(model, group_size=32, bits=4)
     unfolded = copy.deepcopy(model)
     monkeypatch.setattr(quantized_rows, "_routes_agree", {})
-    x = mx.random.normal((rows, 1, 128)).astype(dtype)
-    want = [unfolded.layers[0](x), unfolded.layers[1].as_linear(x)]
-    fold_quantized_rows(model)
-    dequantized = []
-    dequantize = mx.dequantize
-    monkeypatch.setattr(mx, "dequantize", lambda *a, **k: dequantized.append(1) or dequantize(*a, **k))
-    got = [model.layers[0](x), model.layers[1].as_linear(x)]
-    assert len(dequantized) == (2 if rows >= CPU_DEQUANTIZED_ROWS else 0)
-    tolerance = 1e-5 if dtype == mx.float32 else 3e-2
-    for g, w in zip(got, want):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        g, w = g.astype(mx.float32), w.astype(mx.float32)
-        assert (mx.linalg.norm(g - w) <= tolerance * mx.linalg.norm(w)).item()
+    dequantized = folded_products_match(unfolded, model, mx.random.normal((rows, 1, 128)).astype(dtype), monkeypatch)
+    assert dequantized == (2 if rows >= CPU_DEQUANTIZED_ROWS else 0)
     assert quantized_rows.dequantized_rows() == CPU_DEQUANTIZED_ROWS
     assert quantized_rows.dequantized_bytes(model.layers[0]) == 96 * 128 * 4  # rows of any dtype: float32's room
 
