@@ -19,7 +19,8 @@ runs each workload once to warm up, then ``--rounds`` times in alternation with
 the others (the engine on one Engine, as a server would); medians are reported.
 The engine's K/V pool holds ``--kv-gib`` GiB (the default holds every workload
 here, so nothing is preempted; BatchGenerator grows its caches as it needs);
-preemptions are printed if any happen.
+preemptions are printed if any happen. Before each workload's row it prints the seconds each engine
+took to build and each system's warm-up run took (kernels compiled at first use, step traces).
 
     python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable] [--eager]
         [--prompt-tokens 32 160]
@@ -86,14 +87,16 @@ MODELS = {  # name: (module, config, --small config)
 }
 
 
-def build_model(module, config, dtype, bits=None):
-    """A random-weight model (seeded: every call gives the same weights), with ``bits``-bit weights (group 64)."""
+def build_model(module, config, dtype, bits=None, evaluate=True):
+    """A random-weight model (seeded: every call gives the same weights), with ``bits``-bit weights (group 64);
+    without ``evaluate`` its weights stay lazy (a tensor-parallel engine evaluates only its rank's shard)."""
     mx.random.seed(0)
     model = module.Model(module.ModelArgs(**config))
     model.update(tree_map(lambda p: p.astype(dtype), model.parameters()))
     if bits:
         nn.quantize(model, group_size=64, bits=bits)
-    mx.eval(model.parameters())
+    if evaluate:
+        mx.eval(model.parameters())
     return model
 
 
@@ -186,14 +189,20 @@ def main(argv=None):
     for n in args.concurrency:
         prompts = prompts_for(n, vocab, n, *args.prompt_tokens)
         systems = {"BatchGen": lambda: batch_generator_tps(baseline, prompts, args.new_tokens)}
+        seconds = {}  # to build each engine and to warm each system up: where a slow first run's time went
         for kernel, compile_steps in columns:
-            systems[kernel + ("" if compile_steps else "/eager")] = engine_runner(
+            name, start = kernel + ("" if compile_steps else "/eager"), time.perf_counter()
+            systems[name] = engine_runner(
                 model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30), not args.no_verify
             )
+            seconds[f"{name} built"] = time.perf_counter() - start
         # One warm-up run each (compiling kernels, plans and step traces for the workload's
         # shapes), then --rounds runs in alternation, so drift of a shared machine hits all alike.
-        for run in systems.values():
+        for name, run in systems.items():
+            start = time.perf_counter()
             run()
+            seconds[f"{name} warm-up"] = time.perf_counter() - start
+        print(f"{n} requests, seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()), flush=True)
         tps = {name: [] for name in systems}
         for _ in range(args.rounds):
             for name, run in systems.items():

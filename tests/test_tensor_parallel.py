@@ -131,6 +131,25 @@ def test_a_rank_that_dies_ends_the_others_steps_with_an_error_not_a_hang(tmp_pat
     assert survivor["again"] == survivor["error"]
 
 
+def test_the_two_gpu_benchmark_runs_here_over_ring_with_one_device_s_greedy_tokens():
+    """``benchmarks/tensor_parallel.py`` (issue P's runs) with a small model over two ranks on this CPU: it
+    runs, and the group's greedy answers are those of the model whole on one device."""
+    benchmarks = HERE.parent / "benchmarks"
+    env = ranks_env(PYTHONPATH=os.pathsep.join([str(HERE.parent), str(benchmarks), os.environ.get("PYTHONPATH", "")]))
+    launcher = subprocess.Popen(
+        [sys.executable, str(benchmarks / "tensor_parallel.py"), "--ranks", "2", "--small", "--concurrency", "1", "3",
+         "--new-tokens", "4", "--rounds", "1", "--kv-gib", "0.0625", "--against-one"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        out = launcher.communicate(timeout=300)[0]
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its ranks, had it hung
+    assert launcher.returncode == 0, out
+    assert "| 1 of 1 |" in out and "| 3 of 3 |" in out, out
+
+
 def test_smollm2_over_three_ranks_answers_as_one_process(tmp_path):
     """SmolLM2's 9 query and 3 KV heads over 3 ranks, loaded lazily (each rank holds its shard): the greedy
     answers of the single-process engine."""
