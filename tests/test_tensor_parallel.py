@@ -6,6 +6,7 @@ Each rank is a process of its own running tests/tensor_parallel_rank.py, as ``ml
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -131,23 +132,39 @@ def test_a_rank_that_dies_ends_the_others_steps_with_an_error_not_a_hang(tmp_pat
     assert survivor["again"] == survivor["error"]
 
 
-def test_the_two_gpu_benchmark_runs_here_over_ring_with_one_device_s_greedy_tokens():
-    """``benchmarks/tensor_parallel.py`` (issue P's runs) with a small model over two ranks on this CPU: it
-    runs, and the group's greedy answers are those of the model whole on one device."""
+def run_benchmark(*args: str) -> tuple[int, str]:
+    """``benchmarks/tensor_parallel.py`` (issue P's two-GPU runs) with a small model on this CPU: its status and
+    output. It starts its ranks itself; they are ended with it, had it hung."""
     benchmarks = HERE.parent / "benchmarks"
-    env = ranks_env(PYTHONPATH=os.pathsep.join([str(HERE.parent), str(benchmarks), os.environ.get("PYTHONPATH", "")]))
+    path = [str(HERE.parent), str(benchmarks), *filter(None, [os.environ.get("PYTHONPATH")])]
     launcher = subprocess.Popen(
-        [sys.executable, str(benchmarks / "tensor_parallel.py"), "--ranks", "2", "--small", "--concurrency", "1", "3",
-         "--new-tokens", "4", "--rounds", "1", "--kv-gib", "0.0625", "--against-one"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        [sys.executable, str(benchmarks / "tensor_parallel.py"), "--small", "--new-tokens", "4", "--rounds", "1",
+         "--kv-gib", "0.0625", *args],
+        env=ranks_env(PYTHONPATH=os.pathsep.join(path)), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
     )  # fmt: skip
     try:
         out = launcher.communicate(timeout=300)[0]
+        return launcher.returncode, out
     finally:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(launcher.pid, signal.SIGKILL)  # the launcher and its ranks, had it hung
-    assert launcher.returncode == 0, out
+            os.killpg(launcher.pid, signal.SIGKILL)
+
+
+def test_the_two_gpu_benchmark_runs_here_over_ring_with_one_device_s_greedy_tokens():
+    """Two ranks, each holding its shard of the weights, give the answers of the model whole on one device."""
+    status, out = run_benchmark("--ranks", "2", "--concurrency", "1", "3", "--against-one")
+    assert status == 0, out
+    held, whole = map(float, re.search(r"rank 0 holds ([\d.]+) of the model's ([\d.]+) GiB", out).groups())
+    assert held < 0.7 * whole  # the embeddings and the output head whole, half of every layer
     assert "| 1 of 1 |" in out and "| 3 of 3 |" in out, out
+
+
+def test_the_two_gpu_benchmark_ends_every_rank_when_one_fails():
+    """Heads that do not divide over 3 ranks: every rank fails, the reason is printed, the status is not 0."""
+    status, out = run_benchmark("--ranks", "3", "--concurrency", "2")
+    assert status != 0
+    assert "ValueError: llama: its 8 attention heads do not divide over 3 devices" in out, out
 
 
 def test_smollm2_over_three_ranks_answers_as_one_process(tmp_path):

@@ -16,6 +16,7 @@ import socket
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from ..models.adapt import architecture, model_config
 
@@ -38,7 +39,8 @@ def shard_model(model, group: mx.distributed.Group) -> None:
     except (ValueError, AssertionError, AttributeError) as e:  # sizes mlx-lm checks as it goes, or its own bugs
         raise ValueError(f"{name}: mlx-lm cannot shard it over {size} devices ({e}); the model is left "
                          "partly sharded")  # fmt: skip
-    mx.eval(model.parameters())
+    for _, weights in tree_flatten(model.parameters()):  # lazy weights: one whole tensor at a time, then its shard
+        mx.eval(weights)
 
 
 def check_shardable(model, size: int) -> None:
