@@ -25,7 +25,8 @@ took to build and each system's warm-up run took (kernels compiled at first use,
     python benchmarks/engine_throughput.py [--concurrency 1 16 64] [--kernels auto portable] [--eager]
         [--prompt-tokens 32 160]
 
-``--eager`` adds a column per kernel with compiled steps turned off.
+``--eager`` adds a column per kernel with compiled steps turned off. ``--timeline`` runs each engine once more
+step by step and prints where that run's time went.
 """
 
 import argparse
@@ -127,6 +128,28 @@ def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes, v
     return run
 
 
+def engine_timeline(engine, prompts, new_tokens) -> str:
+    """One more run of the workload, step by step: where its time went (the prompts' phase, until every request
+    has a token, against the steady decoding after it; the slowest steps)."""
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    start = time.perf_counter()
+    without_token = {engine.add_request(prompt, params) for prompt in prompts}
+    steps = []  # (seconds, tokens, whether a request had no token yet)
+    while engine.has_unfinished():
+        began, prompts_phase = time.perf_counter(), bool(without_token)
+        chunks = engine.step()
+        steps.append((time.perf_counter() - began, sum(len(c.token_ids) for c in chunks), prompts_phase))
+        without_token -= {c.request_id for c in chunks if c.token_ids}
+    total = time.perf_counter() - start
+    first, then = [s for s in steps if s[2]], [s for s in steps if not s[2]]
+    decode_seconds = sum(s[0] for s in then)
+    slowest = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:3]
+    return (f"timeline: {total:.2f} s, {len(steps)} steps; until every request had a token {len(first)} steps, "
+            f"{sum(s[0] for s in first):.2f} s; then {len(then)} steps, {decode_seconds:.2f} s, median "
+            f"{statistics.median(s[0] for s in then) * 1e3:.2f} ms ({sum(s[1] for s in then) / decode_seconds:.0f} "
+            f"tok/s); slowest steps (index: ms) " + ", ".join(f"{i}: {steps[i][0] * 1e3:.1f}" for i in slowest))
+
+
 def batch_generator_tps(model, prompts, new_tokens):
     gen = BatchGenerator(model, stop_tokens=[], completion_batch_size=max(32, len(prompts)))
     start = time.perf_counter()
@@ -161,6 +184,8 @@ def main(argv=None):
     parser.add_argument("--kv-gib", type=float, default=8, help="the engine's K/V pool, GiB")
     parser.add_argument("--prompt-tokens", type=int, nargs=2, default=[32, 160], metavar=("LOW", "HIGH"),
                         help="each prompt's length is drawn between these")
+    parser.add_argument("--timeline", action="store_true",
+                        help="then one more run of each engine step by step: its prompts' phase, its steady steps")
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
@@ -212,6 +237,10 @@ def main(argv=None):
         row = f"{n:>8} {base:>9.1f}" + "".join(f" {v:>14.1f} {v / base:>5.2f}x" for v in median.values())
         preempted = {name: run.engine.stats()["preemptions"] for name, run in systems.items() if hasattr(run, "engine")}
         print(row + "".join(f"  ({name}: {p} preemptions)" for name, p in preempted.items() if p), flush=True)
+        if args.timeline:
+            for name, run in systems.items():
+                if hasattr(run, "engine"):
+                    print(f"  {name} {engine_timeline(run.engine, prompts, args.new_tokens)}", flush=True)
 
 
 if __name__ == "__main__":

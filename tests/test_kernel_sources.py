@@ -294,6 +294,27 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("new", [True, False])
+def test_a_simd_group_issues_its_key_loads_together(tmp_path, new):
+    """In a decode step's variant (the row's own K/V given) and in the one that reads the pools alone, the
+    partition kernel's first K loads of a block (bf16, D=128: four 16-byte loads) come one after another in
+    the PTX, with no use of a loaded value (a shuffle of its dot product) between them, so that a simd group
+    waits on memory once for them, not once each; and with no branch (around the row's own token, ptxas
+    would load from both sources)."""
+    source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new)
+    (tmp_path / "k.cu").write_text(source)
+    subprocess.run(["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-ptx", "k.cu", "-o", "k.ptx"], cwd=tmp_path,
+                   check=True, capture_output=True)  # fmt: skip
+    ptx = (tmp_path / "k.ptx").read_text()
+    partition = ptx[re.search(r"\.entry \w*paged_attention_partition", ptx).start() :]
+    after_barrier = partition[partition.index("bar.sync") :]  # the block ids read: the K loop follows
+    first_load = after_barrier.index("ld.global.v4")
+    until_used = after_barrier[first_load : after_barrier.index("shfl.sync")]
+    assert until_used.count("ld.global.v4") == 4, until_used
+    assert "bra" not in until_used, until_used
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 def test_cuda_rendering_of_the_latent_kernel_compiles_with_nvcc(tmp_path):
     """The latent kernel, wrapped as mx.fast.cuda_kernel wraps it, compiles for sm_90 within the
     threadgroup memory ``supports`` allows, with no spills."""
