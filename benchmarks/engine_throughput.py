@@ -130,7 +130,8 @@ def engine_runner(model, prompts, new_tokens, kernel, compile_steps, kv_bytes, v
 
 def engine_timeline(engine, prompts, new_tokens) -> str:
     """One more run of the workload, step by step: where its time went (the prompts' phase, until every request
-    has a token, against the steady decoding after it; the slowest steps)."""
+    has a token, against the steady decoding after it; the slowest steps). ``Engine.step`` returns the tokens of
+    the step before it, so a step's time is counted with the tokens of the one before."""
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     start = time.perf_counter()
     without_token = {engine.add_request(prompt, params) for prompt in prompts}
@@ -144,10 +145,11 @@ def engine_timeline(engine, prompts, new_tokens) -> str:
     first, then = [s for s in steps if s[2]], [s for s in steps if not s[2]]
     decode_seconds = sum(s[0] for s in then)
     slowest = sorted(range(len(steps)), key=lambda i: -steps[i][0])[:3]
+    decoding = (f"{len(then)} steps, {decode_seconds:.2f} s, median {statistics.median(s[0] for s in then) * 1e3:.2f} "
+                f"ms ({sum(s[1] for s in then) / decode_seconds:.0f} tok/s)") if then and decode_seconds else "none"
     return (f"timeline: {total:.2f} s, {len(steps)} steps; until every request had a token {len(first)} steps, "
-            f"{sum(s[0] for s in first):.2f} s; then {len(then)} steps, {decode_seconds:.2f} s, median "
-            f"{statistics.median(s[0] for s in then) * 1e3:.2f} ms ({sum(s[1] for s in then) / decode_seconds:.0f} "
-            f"tok/s); slowest steps (index: ms) " + ", ".join(f"{i}: {steps[i][0] * 1e3:.1f}" for i in slowest))
+            f"{sum(s[0] for s in first):.2f} s; then {decoding}; slowest steps (index: ms) "
+            + ", ".join(f"{i}: {steps[i][0] * 1e3:.1f}" for i in slowest))
 
 
 def batch_generator_tps(model, prompts, new_tokens):

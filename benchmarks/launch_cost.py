@@ -58,10 +58,12 @@ def main():
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 16, 64, 256])
     parser.add_argument("--ops", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--width", type=int, default=4096, help="the weights' side, a multiple of 256")
     parser.add_argument("--copies", type=int, default=4, help="different weights the products take in turn")
     parser.add_argument("--max-ops-per-buffer", type=int, default=None)
     args = parser.parse_args()
+    if args.width % 256:
+        parser.error("--width must be a multiple of 256 (the copy kernel's threadgroup)")
     if args.max_ops_per_buffer is not None:  # MLX reads it once, at its first launch
         os.environ["MLX_MAX_OPS_PER_BUFFER"] = str(args.max_ops_per_buffer)
     import mlx.core as mx
@@ -77,10 +79,12 @@ def main():
                       threadgroup=(256, 1, 1))[0]
 
     transposed = [w.T[None] for w in weights]
+    indices = {rows: mx.zeros((rows,), mx.uint32) for rows in args.rows}
 
     def gathered(h, i):
-        indices = mx.zeros((h.shape[0],), mx.uint32)
-        product = mx.gather_mm(h[:, None, :], transposed[i % args.copies], rhs_indices=indices, sorted_indices=True)
+        rows = h.shape[0]
+        product = mx.gather_mm(h.reshape(rows, 1, width), transposed[i % args.copies], rhs_indices=indices[rows],
+                               sorted_indices=True)  # fmt: skip
         return product.reshape(h.shape)
 
     kinds = {
@@ -97,7 +101,7 @@ def main():
           f"operations, width {width}, MLX_MAX_OPS_PER_BUFFER {buffer}; us per operation, medians of {args.repeats}")
     exact = weights[0].astype(mx.float32).T
 
-    def error(operation, x) -> str:
+    def error(name, operation, x) -> str:
         """A product's relative L2 error against the float32 product of its first weight."""
         if "product" not in name and "gather_mm" not in name:
             return ""
@@ -114,7 +118,7 @@ def main():
             except RuntimeError as e:  # an operation this backend does not have for bf16
                 print(f"| {name} | {rows} | {e} | | | |", flush=True)
                 break
-            print(f"| {name} | {rows} | {build:.1f} | {launch:.1f} | {wait:.1f} | {error(operation, x)} |", flush=True)
+            print(f"| {name} | {rows} | {build:.1f} | {launch:.1f} | {wait:.1f} | {error(name, operation, x)} |", flush=True)
 
 
 if __name__ == "__main__":

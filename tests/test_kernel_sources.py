@@ -162,8 +162,8 @@ def test_fused_kernel_supports_the_quantized_pools_it_renders():
 
 def test_fused_kernel_splits_few_rows_over_more_simd_groups_within_registers_and_threadgroup_memory():
     cuda, metal = CudaKernel(), MetalKernel()
-    assert cuda.warp_choices(4) == cuda.warp_choices(5) == [4, 8, 16] and metal.warp_choices(4) == [4]
-    assert cuda.warp_choices(6) == cuda.warp_choices(8) == [4, 8]  # 16 of them: more registers than an SM has
+    assert cuda.warp_choices(1) == cuda.warp_choices(4) == [4, 8, 16] and metal.warp_choices(4) == [4]
+    assert cuda.warp_choices(5) == cuda.warp_choices(8) == [4, 8]  # 16 of them: more registers than an SM has
     assert CudaKernel(warps=8).warp_choices(4) == [8]
     # threadgroups = rows x KV heads x head groups x partitions; the grid keeps at most 2048 simd groups
     assert cuda._warps(8, 4) == cuda._warps(128, 4) == 16  # 1 and 16 rows of 8 KV heads
@@ -273,18 +273,21 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
     kernel's registers (ptxas, rounded up to 8 a thread) times its threads fit ``REGISTER_FILE``. The
     variants that take the most registers at each count of heads (every variant was compiled once)."""
     kernel = CudaKernel()
-    cases = [  # bits, group, dtype, D, BS, HPG, new
-        (None, None, mx.float32, 256, 16, 5, True),
-        (None, None, mx.bfloat16, 256, 16, 4, False),
-        (None, None, mx.bfloat16, 256, 16, 6, True),
-        (4, 64, mx.bfloat16, 256, 16, 8, False),
+    cases = [  # bits, group, dtype, D, BS, HPG, new, window with sinks and softcap
+        (None, None, mx.float32, 256, 16, 5, True, False),
+        (None, None, mx.bfloat16, 256, 16, 4, False, False),
+        (None, None, mx.bfloat16, 256, 16, 6, True, False),
+        (4, 64, mx.bfloat16, 256, 16, 8, False, False),
+        (4, 64, mx.float32, 128, 32, 4, False, True),
+        (8, 32, mx.float32, 128, 32, 5, False, True),
+        (None, None, mx.float32, 128, 16, 5, True, False),
     ]
     sources, threads = [], []
-    for bits, group, dtype, dim, block, hpg, new in cases:
+    for bits, group, dtype, dim, block, hpg, new, masked in cases:
         warps = max(kernel.warp_choices(hpg))
         slots = kernel._slots(warps, hpg, dim, block)
-        sources.append(fused_cuda_source(bits, group, dtype, dim, block, hpg, hpg, False, 0, False, False, warps,
-                                         slots, new))  # fmt: skip
+        sources.append(fused_cuda_source(bits, group, dtype, dim, block, hpg, hpg, False, 4096 if masked else 0,
+                                         masked, masked, warps, slots, new))  # fmt: skip
         threads.append(warps * 32)
     outputs = compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177", "-Xptxas", "-v")
     for case, output, count in zip(cases, outputs, threads):
@@ -307,10 +310,11 @@ def test_a_simd_group_issues_its_key_loads_together(tmp_path, new):
                    check=True, capture_output=True)  # fmt: skip
     ptx = (tmp_path / "k.ptx").read_text()
     partition = ptx[re.search(r"\.entry \w*paged_attention_partition", ptx).start() :]
-    after_barrier = partition[partition.index("bar.sync") :]  # the block ids read: the K loop follows
+    barrier = re.search(r"\b(bar|barrier)\.sync", partition).start()  # the block ids read: the K loop follows
+    after_barrier = partition[barrier:]
     first_load = after_barrier.index("ld.global.v4")
     until_used = after_barrier[first_load : after_barrier.index("shfl.sync")]
-    assert until_used.count("ld.global.v4") == 4, until_used
+    assert until_used.count("ld.global.v4") >= 4, until_used
     assert "bra" not in until_used, until_used
 
 

@@ -56,9 +56,11 @@ MAX_HEADS_PER_GROUP = 8
 MIN_WARPS = 4
 FILL_SIMD_GROUPS = 2048
 # 32-bit registers a CUDA SM has for its resident threads: a threadgroup may not need more. A thread of the
-# partition kernel holds 2 * VEC values per query head (its query and its sums) and up to 40 more (ptxas for
-# sm_90: 116 registers at most for 5 heads a group, 168 for 6; tests/test_kernel_sources.py checks them).
+# partition kernel holds 2 * VEC values per query head (its query and its sums) and up to THREAD_REGISTERS
+# more, the K or V values of the token steps it loads together among them (ptxas for sm_90: 128 registers at
+# most for 4 heads a group, 168 for 5; tests/test_kernel_sources.py checks them).
 REGISTER_FILE = 65536
+THREAD_REGISTERS = 64
 DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 # Self-check: max |fused - portable| / max |portable|, portable computed in float32.
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
@@ -331,7 +333,7 @@ class FusedKernel(AttentionKernel):
         ``REGISTER_FILE`` holds by its estimate of a thread's registers."""
         if self.warps:
             return [self.warps]
-        registers = SIMD * (2 * VEC * heads_per_group + 40)
+        registers = SIMD * (2 * VEC * heads_per_group + THREAD_REGISTERS)
         choices = [MIN_WARPS]
         while choices[-1] * 2 <= self.max_warps and choices[-1] * 2 * registers <= REGISTER_FILE:
             choices.append(choices[-1] * 2)
