@@ -62,6 +62,8 @@ def main():
     parser.add_argument("--copies", type=int, default=4, help="different weights the products take in turn")
     parser.add_argument("--max-ops-per-buffer", type=int, default=None)
     args = parser.parse_args()
+    if min(args.rows) < 1 or args.ops < 1 or args.repeats < 1 or args.copies < 1:
+        parser.error("--rows, --ops, --repeats and --copies must be positive")
     if args.width % 256:
         parser.error("--width must be a multiple of 256 (the copy kernel's threadgroup)")
     if args.max_ops_per_buffer is not None:  # MLX reads it once, at its first launch
