@@ -3,12 +3,12 @@
     PYTHONPATH=. python3 benchmarks/prefill_time.py --model deepseek-v2-lite --small --tokens 512 2048
 
 Models as in ``engine_throughput.py`` (random weights), or with ``--smollm2`` the real SmolLM2-135M in float32
-(the CPU's case). Each prompt runs twice on each system
-(the first run compiles and warms up); the second run's time is reported. The engine's prefix
-cache is off, so both compute the whole prompt.
+(the CPU's case). Each prompt runs once on each system to compile and warm up, then ``--rounds`` times on each in
+turn; the median is reported. The engine's prefix cache is off, so both compute the whole prompt.
 """
 
 import argparse
+import statistics
 import time
 
 import mlx.core as mx
@@ -25,10 +25,13 @@ def main():
     parser.add_argument("--small", action="store_true")
     parser.add_argument("--smollm2", action="store_true", help="the real SmolLM2-135M, float32, instead")
     parser.add_argument("--tokens", type=int, nargs="+", default=[512, 2048])
+    parser.add_argument("--rounds", type=int, default=1, help="timed runs of each prompt on each system")
     parser.add_argument("--bits", type=int, choices=[4], default=None, help="quantize the weights (group 64)")
     parser.add_argument("--no-verify", action="store_true",
                         help="skip the model check (a random MoE model's expert choices can flip on rounding alone)")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     dtype = mx.float32 if args.small else mx.bfloat16
     if args.smollm2:
         (model, _), (baseline, _) = load("smollm2", "none"), load("smollm2", "none")
@@ -45,13 +48,14 @@ def main():
     print("|---:|---:|---:|---:|")
     for tokens in args.tokens:
         prompt = prompts_for(1, model.args.vocab_size, seed=tokens, low=tokens, high=tokens)[0]
-        for _ in range(2):
+        times = []
+        for _ in range(1 + args.rounds):
             start = time.perf_counter()
             engine.generate([prompt], SamplingParams(max_tokens=1))
-            ours = time.perf_counter() - start
-            start = time.perf_counter()
+            middle = time.perf_counter()
             next(generate_step(mx.array(prompt), baseline, max_tokens=1))
-            theirs = time.perf_counter() - start
+            times.append((middle - start, time.perf_counter() - middle))
+        ours, theirs = (statistics.median(run[i] for run in times[1:]) for i in (0, 1))
         print(f"| {tokens} | {ours:.3f} | {theirs:.3f} | {ours / theirs:.2f}x |", flush=True)
 
 

@@ -225,3 +225,40 @@ def test_only_mlx_lm_s_own_body_then_head_models_project_sampled_rows_only():
     model = tiny_model("llama")
     assert not check_model(Subclassed(model.args)).projects_sampled_rows_only
     assert not check_model(tiny_any("gemma2")).projects_sampled_rows_only  # softcaps its logits after the head
+
+
+def test_a_prefill_step_waits_for_each_layer_only_after_queuing_the_next(monkeypatch):
+    """Eager prefill steps keep the device a layer ahead of the host (``AttentionPlan.pace``): each layer's
+    attention output is queued, and the host waits for it only once the next layer's is queued too."""
+    from llm_paged_mlx.kernels.plan import AttentionPlan
+
+    events, paced = [], []
+    queue, wait, pace = mx.async_eval, mx.eval, AttentionPlan.pace
+
+    def queued(*arrays):
+        events.extend(("queue", id(a)) for a in arrays)
+        return queue(*arrays)
+
+    def waited(*arrays):
+        events.extend(("wait", id(a)) for a in arrays)
+        return wait(*arrays)
+
+    def recorded(plan, out):
+        paced.append(out)
+        return pace(plan, out)
+
+    monkeypatch.setattr(mx, "async_eval", queued)
+    monkeypatch.setattr(mx, "eval", waited)
+    monkeypatch.setattr(AttentionPlan, "pace", recorded)
+    model = tiny_model("llama", num_hidden_layers=4)
+    engine = Engine(model, num_blocks=32, attention_kernel="portable", enable_prefix_caching=False)
+    events.clear(), paced.clear()  # the model check's steps
+    engine.add_request(random_prompts([40], seed=7)[0], SamplingParams(max_tokens=1))
+    engine.step()
+    layers = [id(out) for out in paced]
+    assert len(layers) == 4  # the prompt's one step, a call a layer
+    of_layers = [event for event in events if event[1] in layers]
+    queues = [key for kind, key in of_layers if kind == "queue"]
+    assert queues == layers
+    for index, key in enumerate(layers[:-1]):  # the last layer is read with the step's tokens
+        assert of_layers.index(("wait", key)) > of_layers.index(("queue", layers[index + 1]))

@@ -49,6 +49,7 @@ class AttentionPlan:
     # owns its pools: no write of it is ordered only by values, as a scatter after another write would be).
     in_place: bool = False
     _cache: dict = field(default_factory=dict, repr=False)
+    _paced: "mx.array | None" = field(default=None, repr=False)  # the layer output ``pace`` queued last
 
     @property
     def rope_offsets(self) -> mx.array:
@@ -83,6 +84,19 @@ class AttentionPlan:
         if self.num_decode:
             lens.append(self.decode_block_tables.shape[1] * self.block_size)
         return max(lens, default=0)
+
+    def pace(self, out: mx.array) -> None:
+        """Queue a prefill step's layer output ``out`` for the device and wait for the one queued before it.
+
+        Prefill steps run eagerly: MLX allocates a graph's arrays as it queues
+        their work, so a forward pass queued whole would hold every layer's
+        activations at once. Paced, the device computes one layer while the
+        host builds the next, and a step holds about two layers' activations.
+        """
+        mx.async_eval(out)
+        if self._paced is not None:
+            mx.eval(self._paced)
+        self._paced = out
 
     def write_indices(self, num_kv_heads: int) -> mx.array:
         """(T, num_kv_heads) rows of the flat pool ``(num_blocks*H*block_size, D)``."""

@@ -214,9 +214,7 @@ class PagedLayerCache(HookedCache):
             k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
             out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
         if self.plan.prefills:
-            # Prefill steps run eagerly and layer by layer: MLX allocates a graph's arrays as it queues their
-            # work, so a forward pass queued whole would hold every layer's activations at once.
-            mx.eval(out)
+            self.plan.pace(out)
         return self.plan.from_rows(out, queries).astype(dtype)
 
     def block_rows(self, blocks: list[int]) -> mx.array:
@@ -318,7 +316,7 @@ class PagedLatentCache(PagedLayerCache):
         if self.rotated:
             out = unrotate(out, self.group_size)
         if self.plan.prefills:
-            mx.eval(out)  # as in PagedLayerCache.attend
+            self.plan.pace(out)
         return out.astype(dtype)
 
     def attend_sequence(self, queries, keys, values, scale, mask):
@@ -342,7 +340,7 @@ class PagedLatentCache(PagedLayerCache):
         for start in range(0, length, tile):
             rows = slice(start, start + tile)
             outs.append(attention_hook.original_sdpa(queries[:, :, rows], keys, values, cache=None, scale=scale, mask=mask[..., rows, :]))
-            mx.eval(outs[-1])  # tile by tile and layer by layer (as PagedLayerCache.attend), within the budget
+            mx.eval(outs[-1])  # tile by tile, within the budget
         return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).astype(dtype)
 
 
