@@ -321,6 +321,23 @@ def test_a_workload_larger_than_the_budget_stays_under_the_cap(memory_limit):
     assert outputs[0].token_ids == reference(model, prompts[0], 40)
 
 
+def test_a_prompt_s_step_stays_within_its_reserve(monkeypatch):
+    """A 2,000-token prompt's step, its layers paced (the device a layer ahead of the host), allocates no more
+    than ``step_reserve`` counts for it, the prefill attention's allowance cut to 16 MiB. In float32, the dtype
+    the reserve counts every activation in."""
+    monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 16 << 20)
+    monkeypatch.setattr(memory, "PREFILL_ATTENTION_BYTES", 16 << 20)
+    model = tiny_model("llama", num_hidden_layers=6, hidden_size=512, intermediate_size=2048,
+                       num_attention_heads=8, num_key_value_heads=2)  # fmt: skip
+    engine = Engine(model, num_blocks=140, max_num_batched_tokens=2048, enable_prefix_caching=False)
+    prompt = random_prompts([2000], seed=9)[0]
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    engine.generate([prompt], SamplingParams(max_tokens=1))
+    assert mx.get_peak_memory() - base <= memory.step_reserve(model, 2048, 1)
+
+
 @pytest.mark.parametrize("layout", ["keys rotated", "as mx.quantize gives them"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_blocks_round_trip_through_the_disk_tier(tmp_path, bits, layout, kv_read_from_pool, monkeypatch):

@@ -91,7 +91,8 @@ class AttentionPlan:
         Prefill steps run eagerly: MLX allocates a graph's arrays as it queues
         their work, so a forward pass queued whole would hold every layer's
         activations at once. Paced, the device computes one layer while the
-        host builds the next, and a step holds about two layers' activations.
+        host builds the next, and a step holds about two layers' activations
+        (within ``engine.memory.step_reserve``).
         """
         mx.async_eval(out)
         if self._paced is not None:
