@@ -26,7 +26,9 @@ took to build and each system's warm-up run took (kernels compiled at first use,
         [--prompt-tokens 32 160]
 
 ``--eager`` adds a column per kernel with compiled steps turned off. ``--timeline`` runs each engine once more
-step by step and prints where that run's time went.
+step by step and prints where that run's time went. ``--apart`` runs BatchGenerator's warm-up and rounds first
+and builds the engines after it (no alternation): for a card whose memory does not hold both systems' K/V at
+once (256 requests at 8B in bf16 on an 80 GB H100).
 """
 
 import argparse
@@ -188,6 +190,8 @@ def main(argv=None):
                         help="each prompt's length is drawn between these")
     parser.add_argument("--timeline", action="store_true",
                         help="then one more run of each engine step by step: its prompts' phase, its steady steps")
+    parser.add_argument("--apart", action="store_true",
+                        help="BatchGenerator's runs first, then the engines' (a card too small for both at once)")
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
@@ -214,36 +218,54 @@ def main(argv=None):
     )
     print(header)
     for n in args.concurrency:
-        prompts = prompts_for(n, vocab, n, *args.prompt_tokens)
-        systems = {"BatchGen": lambda: batch_generator_tps(baseline, prompts, args.new_tokens)}
-        seconds = {}  # to build each engine and to warm each system up: where a slow first run's time went
-        for kernel, compile_steps in columns:
-            name, start = kernel + ("" if compile_steps else "/eager"), time.perf_counter()
-            systems[name] = engine_runner(
-                model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30), not args.no_verify
-            )
-            seconds[f"{name} built"] = time.perf_counter() - start
-        # One warm-up run each (compiling kernels, plans and step traces for the workload's
-        # shapes), then --rounds runs in alternation, so drift of a shared machine hits all alike.
+        compare(n, prompts_for(n, vocab, n, *args.prompt_tokens), model, baseline, columns, args)
+        mx.clear_cache()  # this workload's engines are gone: their memory goes back to the device
+
+
+def compare(n, prompts, model, baseline, columns, args):
+    """One row of the table: BatchGenerator and each engine on ``prompts``, a warm-up run each (compiling
+    kernels, plans and step traces for the workload's shapes), then ``--rounds`` runs in alternation, so drift
+    of a shared machine hits all alike; with ``--apart`` BatchGenerator's runs come first, and the engines are
+    built once its memory is given back."""
+    seconds, tps = {}, {}  # seconds to build each engine and to warm each system up: where a slow first run went
+
+    def warm_up(systems):
         for name, run in systems.items():
             start = time.perf_counter()
             run()
             seconds[f"{name} warm-up"] = time.perf_counter() - start
-        print(f"{n} requests, seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()), flush=True)
-        tps = {name: [] for name in systems}
+
+    def timed(systems):
+        for name in systems:
+            tps[name] = []
         for _ in range(args.rounds):
             for name, run in systems.items():
                 tps[name].append(run())
-        median = {name: statistics.median(t) for name, t in tps.items()}
-        base = median.pop("BatchGen")
-        row = f"{n:>8} {base:>9.1f}" + "".join(f" {v:>14.1f} {v / base:>5.2f}x" for v in median.values())
-        preempted = {name: run.engine.stats()["preemptions"] for name, run in systems.items() if hasattr(run, "engine")}
-        print(row + "".join(f"  ({name}: {p} preemptions)" for name, p in preempted.items() if p), flush=True)
-        if args.timeline:
-            for name, run in systems.items():
-                if hasattr(run, "engine"):
-                    print(f"  {name} {engine_timeline(run.engine, prompts, args.new_tokens)}", flush=True)
 
+    systems = {"BatchGen": lambda: batch_generator_tps(baseline, prompts, args.new_tokens)}
+    if args.apart:
+        warm_up(systems)
+        timed(systems)
+        mx.clear_cache()
+        systems = {}
+    for kernel, compile_steps in columns:
+        name, start = kernel + ("" if compile_steps else "/eager"), time.perf_counter()
+        systems[name] = engine_runner(
+            model, prompts, args.new_tokens, kernel, compile_steps, int(args.kv_gib * 2**30), not args.no_verify
+        )
+        seconds[f"{name} built"] = time.perf_counter() - start
+    warm_up(systems)
+    print(f"{n} requests, seconds: " + ", ".join(f"{k} {v:.1f}" for k, v in seconds.items()), flush=True)
+    timed(systems)
+    median = {name: statistics.median(t) for name, t in tps.items()}
+    base = median.pop("BatchGen")
+    row = f"{n:>8} {base:>9.1f}" + "".join(f" {v:>14.1f} {v / base:>5.2f}x" for v in median.values())
+    preempted = {name: run.engine.stats()["preemptions"] for name, run in systems.items() if hasattr(run, "engine")}
+    print(row + "".join(f"  ({name}: {p} preemptions)" for name, p in preempted.items() if p), flush=True)
+    if args.timeline:
+        for name, run in systems.items():
+            if hasattr(run, "engine"):
+                print(f"  {name} {engine_timeline(run.engine, prompts, args.new_tokens)}", flush=True)
 
 if __name__ == "__main__":
     main()
