@@ -32,6 +32,7 @@ once (256 requests at 8B in bf16 on an 80 GB H100).
 """
 
 import argparse
+import gc
 import random
 import statistics
 import time
@@ -219,7 +220,8 @@ def main(argv=None):
     print(header)
     for n in args.concurrency:
         compare(n, prompts_for(n, vocab, n, *args.prompt_tokens), model, baseline, columns, args)
-        mx.clear_cache()  # this workload's engines are gone: their memory goes back to the device
+        gc.collect()  # this workload's engines (which hold reference cycles) are gone: their pools go back
+        mx.clear_cache()
 
 
 def compare(n, prompts, model, baseline, columns, args):
@@ -246,6 +248,7 @@ def compare(n, prompts, model, baseline, columns, args):
     if args.apart:
         warm_up(systems)
         timed(systems)
+        gc.collect()
         mx.clear_cache()
         systems = {}
     for kernel, compile_steps in columns:

@@ -227,38 +227,71 @@ def test_only_mlx_lm_s_own_body_then_head_models_project_sampled_rows_only():
     assert not check_model(tiny_any("gemma2")).projects_sampled_rows_only  # softcaps its logits after the head
 
 
-def test_a_prefill_step_waits_for_each_layer_only_after_queuing_the_next(monkeypatch):
-    """Eager prefill steps keep the device a layer ahead of the host (``AttentionPlan.pace``): each layer's
-    attention output is queued, and the host waits for it only once the next layer's is queued too."""
+def record_pacing(monkeypatch, paces=True):
+    """Make eager steps pace their layers here (on GPUs only, otherwise), and record each layer output paced and
+    every queue and wait of one: a list of (layer index, "queue" or "wait") as they happen."""
     from llm_paged_mlx.kernels.plan import AttentionPlan
 
-    events, paced = [], []
+    monkeypatch.setattr(runner_module, "paces_layers", lambda: paces)
+    layers, events = [], []
     queue, wait, pace = mx.async_eval, mx.eval, AttentionPlan.pace
 
-    def queued(*arrays):
-        events.extend(("queue", id(a)) for a in arrays)
-        return queue(*arrays)
+    def index(array):
+        return next((i for i, layer in enumerate(layers) if layer is array), None)
 
-    def waited(*arrays):
-        events.extend(("wait", id(a)) for a in arrays)
-        return wait(*arrays)
+    def spy(kind, call):
+        def spied(*arrays):
+            events.extend((index(a), kind) for a in arrays if index(a) is not None)
+            return call(*arrays)
 
-    def recorded(plan, out):
-        paced.append(out)
-        return pace(plan, out)
+        return spied
 
-    monkeypatch.setattr(mx, "async_eval", queued)
-    monkeypatch.setattr(mx, "eval", waited)
+    def recorded(plan, out, overlap=True):
+        layers.append(out)
+        return pace(plan, out, overlap)
+
+    monkeypatch.setattr(mx, "async_eval", spy("queue", queue))
+    monkeypatch.setattr(mx, "eval", spy("wait", wait))
     monkeypatch.setattr(AttentionPlan, "pace", recorded)
-    model = tiny_model("llama", num_hidden_layers=4)
+    return layers, events
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt_oss"])  # gpt_oss: windowed and full layers, two plans a step
+def test_a_prefill_step_waits_for_each_layer_only_after_queuing_the_next(arch, monkeypatch):
+    """Eager prefill steps keep the device a layer ahead of the host (``LayerPacer``): each layer's attention
+    output is queued, and the host waits for it once the next layer's, of whatever group, is queued too."""
+    layers, events = record_pacing(monkeypatch)
+    model = tiny_model("llama", num_hidden_layers=4) if arch == "llama" else tiny_any(arch, num_hidden_layers=4)
     engine = Engine(model, num_blocks=32, attention_kernel="portable", enable_prefix_caching=False)
-    events.clear(), paced.clear()  # the model check's steps
+    layers.clear(), events.clear()  # the model check's steps
     engine.add_request(random_prompts([40], seed=7)[0], SamplingParams(max_tokens=1))
     engine.step()
-    layers = [id(out) for out in paced]
     assert len(layers) == 4  # the prompt's one step, a call a layer
-    of_layers = [event for event in events if event[1] in layers]
-    queues = [key for kind, key in of_layers if kind == "queue"]
-    assert queues == layers
-    for index, key in enumerate(layers[:-1]):  # the last layer is read with the step's tokens
-        assert of_layers.index(("wait", key)) > of_layers.index(("queue", layers[index + 1]))
+    expected = [(0, "queue")]
+    for layer in range(1, 4):  # the last layer is read with the step's tokens
+        expected += [(layer, "queue"), (layer - 1, "wait")]
+    assert events[: len(expected)] == expected
+
+
+def test_a_layer_whose_attention_may_hold_half_the_allowance_is_waited_for_at_once(monkeypatch):
+    from llm_paged_mlx.models import paged_cache
+
+    layers, events = record_pacing(monkeypatch)
+    model = tiny_model("llama", num_hidden_layers=3)
+    engine = Engine(model, num_blocks=32, attention_kernel="portable", enable_prefix_caching=False)
+    monkeypatch.setattr(paged_cache, "PREFILL_ATTENTION_BYTES", 64 * 1024)  # a 40-token chunk's gather takes more
+    layers.clear(), events.clear()
+    engine.add_request(random_prompts([40], seed=7)[0], SamplingParams(max_tokens=1))
+    engine.step()
+    assert events[:3] == [(0, "wait"), (1, "wait"), (2, "wait")]
+
+
+def test_without_pacing_a_prefill_step_waits_for_each_layer_at_once(monkeypatch):
+    """The CPU's way (``paces_layers``): its computation dwarfs building a layer, and waiting for each layer
+    holds less memory."""
+    layers, events = record_pacing(monkeypatch, paces=False)
+    engine = Engine(tiny_model("llama", num_hidden_layers=3), num_blocks=32, attention_kernel="portable")
+    layers.clear(), events.clear()
+    engine.add_request(random_prompts([40], seed=7)[0], SamplingParams(max_tokens=1))
+    engine.step()
+    assert events[:3] == [(0, "wait"), (1, "wait"), (2, "wait")]

@@ -27,7 +27,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import make_prompt_cache
 
-from ..kernels.plan import AttentionPlan, PrefillChunk
+from ..kernels.plan import AttentionPlan, LayerPacer, PrefillChunk, paces_layers
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
 from ..models.adapt import ModelSpec
@@ -385,10 +385,11 @@ class ModelRunner:
                 else:
                     prefills[g].append(self._prefill_chunk(chunk, row, g))
         positions, lens = mx.array(positions, dtype=mx.int32), mx.array(decode_lens)
+        pacer = LayerPacer() if paces_layers() else None  # one for the step: its layers in order, whatever group
         plans = [
             AttentionPlan(
                 self.block_size, positions, mx.array(slots[g], dtype=mx.int32), len(decode),
-                mx.array(decode_tables[g]), lens, prefills[g], one_token_per_sequence=not prefills[g],
+                mx.array(decode_tables[g]), lens, prefills[g], one_token_per_sequence=not prefills[g], pacer=pacer,
             )
             for g in groups
         ]  # fmt: skip

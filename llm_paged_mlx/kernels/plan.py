@@ -20,6 +20,40 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 
+def paces_layers() -> bool:
+    """Whether eager steps on the default device keep it a layer ahead of the host (``LayerPacer``): on GPUs.
+    On the CPU the computation dwarfs building a layer, and waiting for each layer holds less memory."""
+    return mx.default_device() == mx.gpu
+
+
+class LayerPacer:
+    """How one eager (prefill) step waits for its layers' outputs.
+
+    Prefill steps run eagerly: MLX allocates a graph's arrays as it queues
+    their work, so a forward pass queued whole would hold every layer's
+    activations at once, and waiting for each layer leaves the device idle
+    while the host builds the next. A pacer queues each layer's output and
+    waits for the one queued before it: the device computes one layer while
+    the host builds the next, and a step holds two layers' activations (within
+    ``engine.memory.step_reserve``). A layer whose attention may hold more than
+    half the prefill attention's allowance is waited for at once (``overlap``
+    False), so that two layers' attention stay within it.
+    """
+
+    def __init__(self):
+        self._queued: mx.array | None = None
+
+    def __call__(self, out: mx.array, overlap: bool = True) -> None:
+        if not overlap:
+            mx.eval(out)
+            self._queued = None
+            return
+        mx.async_eval(out)
+        if self._queued is not None:
+            mx.eval(self._queued)
+        self._queued = out
+
+
 @dataclass(frozen=True)
 class PrefillChunk:
     """Several new tokens of one sequence, in consecutive rows."""
@@ -48,8 +82,9 @@ class AttentionPlan:
     # Kernels may write this step's K/V into the pools in place (a compiled step of rows whose every layer
     # owns its pools: no write of it is ordered only by values, as a scatter after another write would be).
     in_place: bool = False
+    # How a prefill step waits for its layers (None: each layer at once), shared by its groups of layers.
+    pacer: "LayerPacer | None" = None
     _cache: dict = field(default_factory=dict, repr=False)
-    _paced: "mx.array | None" = field(default=None, repr=False)  # the layer output ``pace`` queued last
 
     @property
     def rope_offsets(self) -> mx.array:
@@ -85,19 +120,12 @@ class AttentionPlan:
             lens.append(self.decode_block_tables.shape[1] * self.block_size)
         return max(lens, default=0)
 
-    def pace(self, out: mx.array) -> None:
-        """Queue a prefill step's layer output ``out`` for the device and wait for the one queued before it.
-
-        Prefill steps run eagerly: MLX allocates a graph's arrays as it queues
-        their work, so a forward pass queued whole would hold every layer's
-        activations at once. Paced, the device computes one layer while the
-        host builds the next, and a step holds about two layers' activations
-        (within ``engine.memory.step_reserve``).
-        """
-        mx.async_eval(out)
-        if self._paced is not None:
-            mx.eval(self._paced)
-        self._paced = out
+    def pace(self, out: mx.array, overlap: bool = True) -> None:
+        """Wait for a prefill step's layer output ``out``: at once, or through the step's ``pacer``."""
+        if self.pacer is None:
+            mx.eval(out)
+        else:
+            self.pacer(out, overlap)
 
     def write_indices(self, num_kv_heads: int) -> mx.array:
         """(T, num_kv_heads) rows of the flat pool ``(num_blocks*H*block_size, D)``."""

@@ -135,6 +135,18 @@ def context_bytes(k_pool, v_pool) -> int:
     return sum(p.shape[-1] for p in pools) * per_value + packed
 
 
+def prefill_attention_bytes(chunks, q_heads: int, k_pool, v_pool) -> int:
+    """An upper estimate of what the attention of a step's prefill ``chunks`` holds in one layer: each chunk's
+    context gathered, and its scores where MLX's attention computes them in full."""
+    kv_heads = k_pool.shape[1]
+    total = 0
+    for chunk in chunks:
+        total += chunk.context_len * kv_heads * context_bytes(k_pool, v_pool)
+        if not fused_prefill(chunk.num_tokens, k_pool, v_pool):
+            total += chunk.num_tokens * q_heads * chunk.context_len * 4 * SCORE_COPIES
+    return total
+
+
 def prefill_tile(num_queries: int, q_heads: int, k_pool, v_pool) -> int:
     """Context tokens per tile for a chunk of ``num_queries`` queries: a multiple of the block size."""
     _, kv_heads, block_size, dim = k_pool.shape

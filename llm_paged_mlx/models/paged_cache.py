@@ -34,7 +34,13 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..kernels.plan import AttentionPlan
-from ..kernels.portable import PREFILL_ATTENTION_BYTES, gather_context, overlay, visible_keys
+from ..kernels.portable import (
+    PREFILL_ATTENTION_BYTES,
+    gather_context,
+    overlay,
+    prefill_attention_bytes,
+    visible_keys,
+)
 from ..kernels.quantized import QuantizedPool, check_quantization, rotate, unrotate
 from . import attention_hook
 from .attention_hook import HookedCache
@@ -205,7 +211,7 @@ class PagedLayerCache(HookedCache):
         rows = self.plan.as_rows(queries)
         if self.rotated:  # against rotated keys, the same scores
             rows = unrotate(rows, self.group_size)
-        out = self._write_and_attend(rows, scale, window_and_sinks)
+        out, overlap = self._write_and_attend(rows, scale, window_and_sinks), False
         if out is None:
             self.write_pending()
             pools = [a.reshape(*self.shape, -1) for a in self.arrays]
@@ -213,8 +219,9 @@ class PagedLayerCache(HookedCache):
                 rows, pools = rows.astype(mx.float32), [p.astype(mx.float32) for p in pools]
             k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
             out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
+            overlap = _overlaps(self.plan, rows.shape[1], k_pool, v_pool)
         if self.plan.prefills:
-            self.plan.pace(out)
+            self.plan.pace(out, overlap)
         return self.plan.from_rows(out, queries).astype(dtype)
 
     def block_rows(self, blocks: list[int]) -> mx.array:
@@ -316,7 +323,7 @@ class PagedLatentCache(PagedLayerCache):
         if self.rotated:
             out = unrotate(out, self.group_size)
         if self.plan.prefills:
-            self.plan.pace(out)
+            self.plan.pace(out, _overlaps(self.plan, rows.shape[1], pool, pool))
         return out.astype(dtype)
 
     def attend_sequence(self, queries, keys, values, scale, mask):
@@ -342,6 +349,12 @@ class PagedLatentCache(PagedLayerCache):
             outs.append(attention_hook.original_sdpa(queries[:, :, rows], keys, values, cache=None, scale=scale, mask=mask[..., rows, :]))
             mx.eval(outs[-1])  # tile by tile, within the budget
         return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).astype(dtype)
+
+
+def _overlaps(plan: AttentionPlan, q_heads: int, k_pool, v_pool) -> bool:
+    """Whether a prefill step may queue the next layer before this one's attention is done: two layers'
+    attention within the allowance (``kernels.plan.LayerPacer``)."""
+    return prefill_attention_bytes(plan.prefills, q_heads, k_pool, v_pool) <= PREFILL_ATTENTION_BYTES // 2
 
 
 @dataclass(frozen=True)
