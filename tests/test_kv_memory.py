@@ -322,13 +322,23 @@ def test_a_workload_larger_than_the_budget_stays_under_the_cap(memory_limit):
 
 
 def test_a_prompt_s_step_stays_within_its_reserve(monkeypatch):
-    """A 2,000-token prompt's step, its layers paced as on a GPU (two layers in flight), allocates no more than
+    """A 2,000-token prompt's step, every layer paced as on a GPU (two layers in flight), allocates no more than
     ``step_reserve`` counts for it, the prefill attention's allowance cut to 16 MiB; in float32, the dtype the
     reserve counts every activation in. (The CPU backend computes a queued layer before it allocates much of
     the next, so this checks the reserve's size more than what pacing holds on a GPU.)"""
     from llm_paged_mlx.engine import runner
+    from llm_paged_mlx.kernels.plan import LayerPacer
+    from llm_paged_mlx.models import paged_cache
+
+    overlapped, pace = [], LayerPacer.__call__
+
+    def recorded(pacer, out, overlap):
+        overlapped.append(overlap)
+        return pace(pacer, out, overlap)
 
     monkeypatch.setattr(runner, "paces_layers", lambda: True)
+    monkeypatch.setattr(paged_cache, "_overlaps", lambda *args: True)
+    monkeypatch.setattr(LayerPacer, "__call__", recorded)
     monkeypatch.setattr(portable, "PREFILL_ATTENTION_BYTES", 16 << 20)
     monkeypatch.setattr(memory, "PREFILL_ATTENTION_BYTES", 16 << 20)
     model = tiny_model("llama", num_hidden_layers=6, hidden_size=512, intermediate_size=2048,
@@ -340,6 +350,7 @@ def test_a_prompt_s_step_stays_within_its_reserve(monkeypatch):
     mx.reset_peak_memory()
     engine.generate([prompt], SamplingParams(max_tokens=1))
     assert mx.get_peak_memory() - base <= memory.step_reserve(model, 2048, 1)
+    assert overlapped[-6:] == [True] * 6
 
 
 @pytest.mark.parametrize("layout", ["keys rotated", "as mx.quantize gives them"])

@@ -286,6 +286,21 @@ def test_a_layer_whose_attention_may_hold_half_the_allowance_is_waited_for_at_on
     assert events[:3] == [(0, "wait"), (1, "wait"), (2, "wait")]
 
 
+def test_a_layer_waited_for_at_once_waits_for_the_one_queued_before_it_first(monkeypatch):
+    """Two layers' attention stay within the allowance: a large layer's work is queued only once the layer
+    queued before it is done."""
+    from llm_paged_mlx.models import paged_cache
+
+    layers, events = record_pacing(monkeypatch)
+    engine = Engine(tiny_model("llama", num_hidden_layers=3), num_blocks=32, attention_kernel="portable")
+    overlaps = iter([True, False, True])
+    monkeypatch.setattr(paged_cache, "_overlaps", lambda *args: next(overlaps))
+    layers.clear(), events.clear()
+    engine.add_request(random_prompts([40], seed=7)[0], SamplingParams(max_tokens=1))
+    engine.step()
+    assert events == [(0, "queue"), (0, "wait"), (1, "wait"), (2, "queue")]
+
+
 def test_without_pacing_a_prefill_step_waits_for_each_layer_at_once(monkeypatch):
     """The CPU's way (``paces_layers``): its computation dwarfs building a layer, and waiting for each layer
     holds less memory."""

@@ -44,7 +44,9 @@ class LayerPacer:
         self._queued: mx.array | None = None
 
     def __call__(self, out: mx.array, overlap: bool = True) -> None:
-        if not overlap:
+        if not overlap:  # the layer before first: then this one alone holds its attention
+            if self._queued is not None:
+                mx.eval(self._queued)
             mx.eval(out)
             self._queued = None
             return

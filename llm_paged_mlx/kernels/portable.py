@@ -135,15 +135,18 @@ def context_bytes(k_pool, v_pool) -> int:
     return sum(p.shape[-1] for p in pools) * per_value + packed
 
 
-def prefill_attention_bytes(chunks, q_heads: int, k_pool, v_pool) -> int:
-    """An upper estimate of what the attention of a step's prefill ``chunks`` holds in one layer: each chunk's
-    context gathered, and its scores where MLX's attention computes them in full."""
-    kv_heads = k_pool.shape[1]
+def prefill_attention_bytes(chunks, q_heads: int, k_pool, v_pool, window=None) -> int:
+    """An upper estimate of what the attention of a step's prefill ``chunks`` holds in one layer (of ``window``
+    tokens, if given): the keys each chunk reaches gathered, and its scores where MLX's attention computes them
+    in full."""
+    _, kv_heads, block_size, _ = k_pool.shape
     total = 0
     for chunk in chunks:
-        total += chunk.context_len * kv_heads * context_bytes(k_pool, v_pool)
+        first_query = chunk.context_len - chunk.num_tokens
+        reach = chunk.context_len - window_start(first_query, window, block_size) * block_size
+        total += reach * kv_heads * context_bytes(k_pool, v_pool)
         if not fused_prefill(chunk.num_tokens, k_pool, v_pool):
-            total += chunk.num_tokens * q_heads * chunk.context_len * 4 * SCORE_COPIES
+            total += chunk.num_tokens * q_heads * reach * 4 * SCORE_COPIES
     return total
 
 

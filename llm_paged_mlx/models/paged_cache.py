@@ -219,7 +219,7 @@ class PagedLayerCache(HookedCache):
                 rows, pools = rows.astype(mx.float32), [p.astype(mx.float32) for p in pools]
             k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
             out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
-            overlap = _overlaps(self.plan, rows.shape[1], k_pool, v_pool)
+            overlap = _overlaps(self.plan, rows.shape[1], k_pool, v_pool, self.window)
         if self.plan.prefills:
             self.plan.pace(out, overlap)
         return self.plan.from_rows(out, queries).astype(dtype)
@@ -351,10 +351,14 @@ class PagedLatentCache(PagedLayerCache):
         return (outs[0] if len(outs) == 1 else mx.concatenate(outs, axis=2)).astype(dtype)
 
 
-def _overlaps(plan: AttentionPlan, q_heads: int, k_pool, v_pool) -> bool:
+def _overlaps(plan: AttentionPlan, q_heads: int, k_pool, v_pool, window=None) -> bool:
     """Whether a prefill step may queue the next layer before this one's attention is done: two layers'
-    attention within the allowance (``kernels.plan.LayerPacer``)."""
-    return prefill_attention_bytes(plan.prefills, q_heads, k_pool, v_pool) <= PREFILL_ATTENTION_BYTES // 2
+    attention within the allowance (``kernels.plan.LayerPacer``; not the model check's float32 attention,
+    whose pools are copied)."""
+    if attention_hook.in_float32():
+        return False
+    held = prefill_attention_bytes(plan.prefills, q_heads, k_pool, v_pool, window)
+    return held <= PREFILL_ATTENTION_BYTES // 2
 
 
 @dataclass(frozen=True)
