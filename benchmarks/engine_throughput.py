@@ -270,5 +270,6 @@ def compare(n, prompts, model, baseline, columns, args):
             if hasattr(run, "engine"):
                 print(f"  {name} {engine_timeline(run.engine, prompts, args.new_tokens)}", flush=True)
 
+
 if __name__ == "__main__":
     main()
