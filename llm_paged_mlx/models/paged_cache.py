@@ -219,7 +219,7 @@ class PagedLayerCache(HookedCache):
                 rows, pools = rows.astype(mx.float32), [p.astype(mx.float32) for p in pools]
             k_pool, v_pool = pools if self.bits is None else self._quantized_pools(pools)
             out = self.kernel(rows, k_pool, v_pool, self.plan, scale, **window_and_sinks)
-            overlap = _overlaps(self.plan, rows.shape[1], k_pool, v_pool, self.window)
+            overlap = bool(self.plan.prefills) and _overlaps(self.plan, rows.shape[1], k_pool, v_pool, self.window)
         if self.plan.prefills:
             self.plan.pace(out, overlap)
         return self.plan.from_rows(out, queries).astype(dtype)
