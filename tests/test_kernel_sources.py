@@ -187,14 +187,15 @@ CUDA_TYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half", mx.float32: "f
 
 def cuda_source(kernel, params: dict, constants: dict) -> str:
     """A kernel's source wrapped as mx.fast.cuda_kernel wraps it: its header, then a function whose
-    parameters are the inputs (with ``NAME_shape`` where the body mentions it) and outputs, in order,
-    and whose body declares the template values before the kernel's source."""
+    parameters are the inputs (with ``NAME_shape`` and ``NAME_strides`` where the body mentions them) and
+    outputs, in order, and whose body declares the template values before the kernel's source."""
     args = []
     for name in kernel.input_names + kernel.output_names:
         const = "const " if name in kernel.input_names else ""
         args.append(f"{const}{params[name]}* {name}")
-        if name in kernel.input_names and f"{name}_shape" in kernel.source:
-            args.append(f"const __grid_constant__ Shape {name}_shape")
+        for info, kind in (("shape", "Shape"), ("strides", "Strides")):
+            if name in kernel.input_names and f"{name}_{info}" in kernel.source:
+                args.append(f"const __grid_constant__ {kind} {name}_{info}")
     values = "".join(
         f"using {k} = {CUDA_TYPES[v]};\n"
         if isinstance(v, mx.Dtype)
@@ -208,6 +209,7 @@ def cuda_source(kernel, params: dict, constants: dict) -> str:
 CUDA_PREAMBLE = (
     "#include <cstdint>\n#include <cuda_bf16.h>\n#include <cuda_fp16.h>\n"
     "struct Shape { int d[8]; __device__ int operator[](int i) const { return d[i]; } };\n"
+    "struct Strides { int64_t d[8]; __device__ int64_t operator[](int i) const { return d[i]; } };\n"
 )
 
 
@@ -245,6 +247,17 @@ def fused_cuda_source(bits, group, dtype, dim, block, rep, hpg, one, window, sin
         + cuda_source(kernels["reduce"], {**params, "part_out": "float", "out": ctype}, dict(T=dtype, D=dim, PART=512,
                                                                                                **masking))
     )
+
+
+@pytest.mark.parametrize("bits,new", [(None, False), (None, True), (4, False)])
+def test_the_partition_kernel_reads_every_input_but_the_pools_and_params_through_its_strides(bits, new):
+    """It is built to take inputs as they are (``FusedKernel.decode``: views are not copied), so an input it
+    indexes as row-contiguous must be one the engine makes so: the pools and the params, no other."""
+    partition = kernel_sources(read_template(), CUDA, bits, 64 if bits else None, new)["partition"]
+    strided = {name for name in partition.input_names if f"{name}_strides" in partition.source}
+    pools = {name for name in partition.input_names if name.startswith(("k_", "v_"))}
+    assert strided == set(partition.input_names) - pools - {"params"}
+    assert {"queries", "block_tables", "context_lens"} <= strided and ({"new_k", "new_v"} <= strided) == new
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

@@ -22,7 +22,7 @@ from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import quantized_matvec, select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
-from llm_paged_mlx.kernels.fused_check import check_error
+from llm_paged_mlx.kernels.fused_check import check_error, spaced_view
 from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
@@ -434,9 +434,43 @@ def test_decode_kernel_reads_and_writes_the_rows_own_k_v(dtype, dim, block_size,
                          2 * rep, window, sinks, new=True)  # fmt: skip
 
 
+def misaligned(x):
+    """A view of ``x`` one element past a 16-byte boundary."""
+    wide = mx.zeros((*x.shape[:-1], x.shape[-1] + 1), x.dtype)
+    wide[..., 1:] = x
+    return wide[..., 1:]
+
+
+@pytest.mark.parametrize("view", [misaligned, spaced_view])
+def test_a_decode_step_reads_inputs_of_any_strides(view):
+    """Queries, own K/V, block tables and context lengths that no 16-byte load can read (misaligned, or
+    strided within a row) give the output of the same values laid out contiguously (up to the order of
+    a sum: the own token is attended apart) and the same pool writes."""
+    rng = np.random.default_rng(0)
+    lens = [1, 17, 300, 1300]  # one partition and several
+    k_np, v_np, tables = make_case(rng, lens, 32, 8, 128, 16)
+    q = mx.array(rng.standard_normal((len(lens), 32, 1, 128)).astype(np.float32)).astype(mx.bfloat16)
+    own = [mx.array(rng.standard_normal((len(lens), 8, 128)).astype(np.float32)).astype(mx.bfloat16)
+           for _ in range(2)]  # fmt: skip
+    kernel = CudaKernel()
+
+    def run(layout):
+        pools = [mx.array(x).astype(mx.bfloat16) for x in (k_np, v_np)]  # fresh: written in place
+        mx.eval(pools)
+        out = kernel.decode(layout(q), *pools, layout(mx.array(tables)), layout(mx.array(lens, mx.int32)),
+                            128**-0.5, new_rows=[layout(x) for x in own])  # fmt: skip
+        mx.eval(out, pools)
+        return [np.array(a.astype(mx.float32)) for a in (out, *pools)]
+
+    (out, *pools), (want, *want_pools) = run(view), run(lambda x: x)
+    np.testing.assert_allclose(out, want, rtol=2**-7, atol=1e-6)
+    for got, expected in zip(pools, want_pools):
+        np.testing.assert_array_equal(got, expected)
+
+
 def test_a_decode_kernel_that_does_not_write_the_rows_own_k_v_falls_back():
     template = read_template()
-    line = "    PA_WRITABLE(T, v_pool)[slot_at + i] = new_v[own_at + i];\n"
+    line = "    PA_WRITABLE(T, v_pool)[slot_at + i] = new_v[own_v + i * new_v_strides[2]];\n"
     assert line in template
     kernel = CudaKernel(template=template.replace(line, ""))
     pools = [mx.zeros((2, 2, 16, 64), mx.bfloat16)] * 2

@@ -71,6 +71,26 @@ __device__ __forceinline__ void pa_load(float* dst, const U* src) {
   }
 }
 
+// Whether pa_load can read from p.
+template <typename U>
+__device__ __forceinline__ bool pa_aligned(const U* p) {
+  return reinterpret_cast<unsigned long long>(p) % 16 == 0;
+}
+
+// N elements of a row whose element i is at src[i * step], as floats: in 16-byte loads where the row is
+// contiguous and 16-byte aligned.
+template <int N, typename U>
+__device__ __forceinline__ void pa_load_strided(float* dst, const U* src, long long step) {
+  if (step == 1 && pa_aligned(src)) {
+    pa_load<N>(dst, src);
+    return;
+  }
+  _Pragma("unroll")
+  for (int i = 0; i < N; ++i) {
+    dst[i] = static_cast<float>(src[i * step]);
+  }
+}
+
 // N codes of B bits, packed from the low bits of 32-bit words upwards (mx.quantize's layout), as
 // floats. src holds N * B / 32 words, aligned to their size, and is read in one load.
 template <int W>
@@ -234,6 +254,20 @@ inline void pa_load(thread float* dst, const device U* src) {
   }
 }
 
+// Whether pa_load can read from p: always (it reads element by element).
+template <typename U>
+inline bool pa_aligned(const device U* p) {
+  return true;
+}
+
+// N elements of a row whose element i is at src[i * step], as floats.
+template <int N, typename U>
+inline void pa_load_strided(thread float* dst, const device U* src, long step) {
+  for (int i = 0; i < N; ++i) {
+    dst[i] = static_cast<float>(src[i * step]);
+  }
+}
+
 // N codes of B bits, packed from the low bits of 32-bit words upwards (mx.quantize's layout), as floats.
 template <int N, int B>
 inline void pa_load_codes(thread float* dst, const device unsigned int* src) {
@@ -348,8 +382,10 @@ def render(
     return {name: (header, dialect.prelude + body) for name, body in split_kernels(template).items()}
 
 
-def build(source: KernelSource, dialect: Dialect):
-    """The MLX kernel for ``source`` in ``dialect`` (MLX compiles it at its first call)."""
+def build(source: KernelSource, dialect: Dialect, contiguous: bool = True):
+    """The MLX kernel for ``source`` in ``dialect`` (MLX compiles it at its first call); unless
+    ``contiguous``, MLX passes inputs as they are (no copy of a strided view): the source must read every
+    input that may be a view through its strides."""
     make = mx.fast.cuda_kernel if dialect is CUDA else mx.fast.metal_kernel
     return make(
         name=source.name,
@@ -357,4 +393,5 @@ def build(source: KernelSource, dialect: Dialect):
         output_names=source.output_names,
         header=source.header,
         source=source.source,
+        ensure_row_contiguous=contiguous,
     )

@@ -292,7 +292,8 @@ class FusedKernel(AttentionKernel):
         takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
         (``plan.window_tables``; only with a window); ``new_rows``: each row's own keys and values
         ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place; ``warps``:
-        simd groups per threadgroup, if not the kernel's own choice."""
+        simd groups per threadgroup, if not the kernel's own choice. Queries, tables, lengths, sinks and
+        new rows may be views of any strides (read in place); the pools must be row-contiguous."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
         dtype = k_pool.dtype
@@ -390,7 +391,9 @@ class FusedKernel(AttentionKernel):
         key = (bits, group_size, new)
         if key not in self._kernels:
             sources = kernel_sources(self.template, self.dialect, bits, group_size, new)
-            self._kernels[key] = (build(sources["partition"], self.dialect), build(sources["reduce"], self.dialect))
+            # The partition kernel reads its views through their strides; pools and params are row-contiguous.
+            partition = build(sources["partition"], self.dialect, contiguous=False)
+            self._kernels[key] = (partition, build(sources["reduce"], self.dialect))
         return self._kernels[key]
 
     def _self_check(

@@ -39,6 +39,17 @@ def slot_rows(pool, slots):
     return pool.swapaxes(1, 2).reshape(-1, kv_heads, dim)[slots]
 
 
+def strided_view(x: mx.array) -> mx.array:
+    """``x`` as a view of a wider array, its rows strided as the columns of a merged projection's output
+    are (the kernel reads them in place): the last axis contiguous."""
+    return mx.concatenate([x, mx.zeros_like(x)], axis=-1)[..., : x.shape[-1]]
+
+
+def spaced_view(x: mx.array) -> mx.array:
+    """``x`` as a view whose last axis has stride 2: no 16-byte load reads it."""
+    return mx.stack([x, x], axis=-1).reshape(*x.shape[:-1], 2 * x.shape[-1])[..., ::2]
+
+
 def poison(pool, visible):
     """A pool with NaN at every slot not ``visible`` (of a quantized pool: NaN scales)."""
     if isinstance(pool, QuantizedPool):
@@ -72,6 +83,8 @@ def check_error(kernel, dtype, dim: int, block_size: int, rep: int, kv_heads: in
     partition past the window. ``sinks`` adds random sink logits (in the
     queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends. With ``new``, each row's own
     K/V (at its last position) is given as ``new_rows`` and NaN in the pools, and must be there after.
+    Every input but the pools is a view the kernel reads through its strides: the queries and own K/V
+    once as a model's step gives them (``strided_view``) and once spaced (``spaced_view``).
     ``warps``: simd groups per threadgroup, if not the kernel's own choice.
     """
     lens = [1, block_size + 3, (kernel.partition_size - 1) if one_partition else (2 * kernel.partition_size + 5)]
@@ -103,21 +116,27 @@ def check_error(kernel, dtype, dim: int, block_size: int, rep: int, kv_heads: in
     layouts = [(tables, None)]
     if window is not None:
         layouts.append(window_tables(tables, context_lens, window, block_size))
-    masking = {"window": window, "sinks": sink_logits, "softcap": cap}
+    masking = {"window": window, "sinks": None if sink_logits is None else spaced_view(sink_logits), "softcap": cap}
     errors = []
     for table, starts in layouts:
-        if new:  # fresh pools for each run: the kernel writes into them
-            poisoned = [poison(p, visible) for p in (k_pool, v_pool)]
-            mx.eval(poisoned)
-        errors += _run_errors(kernel, queries, poisoned, table, starts, context_lens, scale, masking, ref, own, warps)
+        for view in (strided_view, spaced_view):
+            if new:  # fresh pools for each run: the kernel writes into them
+                poisoned = [poison(p, visible) for p in (k_pool, v_pool)]
+                mx.eval(poisoned)
+            errors += _run_errors(kernel, view, queries, poisoned, table, starts, context_lens, scale, masking, ref,
+                                  own, warps)  # fmt: skip
     values = [e.item() for e in errors]
     return float("nan") if any(v != v for v in values) else max(values)  # max() may pass over a NaN
 
-def _run_errors(kernel, queries, pools, table, starts, context_lens, scale: float, masking, ref, own, warps) -> list:
-    """One ``decode`` run's errors: of its output, and (given ``own``, the rows' slots and K/V) of what it wrote."""
-    given = {"new_rows": own[1]} if own is not None else {}
-    out = kernel.decode(queries, *pools, table, context_lens, scale, **masking, table_starts=starts, warps=warps,
-                      **given)
+
+def _run_errors(kernel, view, queries, pools, table, starts, context_lens, scale: float, masking, ref, own,
+                warps) -> list:  # fmt: skip
+    """One ``decode`` run's errors: of its output, and (given ``own``, the rows' slots and K/V) of what it wrote;
+    the queries and own K/V as ``view`` lays them out, the other inputs strided."""
+    given = {"new_rows": [view(r) for r in own[1]]} if own is not None else {}
+    starts = None if starts is None else spaced_view(starts)
+    out = kernel.decode(view(queries), *pools, strided_view(table), spaced_view(context_lens), scale, **masking,
+                        table_starts=starts, warps=warps, **given)
     errors = [mx.abs(out.astype(mx.float32) - ref).max() / mx.abs(ref).max()]
     if own is not None:  # written in place: the pools now hold the rows' own K/V
         own_slots, own_rows = own
