@@ -71,21 +71,18 @@ def check_error(kernel, dtype, dim: int, block_size: int, rep: int, kv_heads: in
                 sinks: bool = False, softcap: bool = False, new: bool = False, warps=None) -> float:  # fmt: skip
     """Relative error of ``kernel.decode`` (a ``FusedKernel``) against the portable kernel (float32) on random inputs.
 
-    Rows of 1, a block and a bit, and several partitions' worth of tokens
-    (and, with ``one_partition``, rows that fit one partition: the kernel
-    without its reduce pass); every position a row must not see holds NaN in
-    the fused kernel's pools. With ``bits``, the pools are random values
-    quantized in groups of ``group_size`` (hidden positions: NaN scales), and
-    the reference reads them dequantized. With a ``window``, the blocks
-    wholly before a row's window are the null block, and the kernel runs
-    over whole tables and over tables narrowed as the engine narrows them
-    (the larger error counts); without ``one_partition`` a row reaches a
-    partition past the window. ``sinks`` adds random sink logits (in the
+    Rows of 1, a block and a bit, and several partitions' worth of tokens (and, with ``one_partition``, rows
+    that fit one partition: the kernel without its reduce pass); every position a row must not see holds NaN
+    in the fused kernel's pools. With ``bits``, the pools are random values quantized in groups of
+    ``group_size`` (hidden positions: NaN scales), and the reference reads them dequantized. With a
+    ``window``, the blocks wholly before a row's window are the null block, and the kernel runs over whole
+    tables and over tables narrowed as the engine narrows them (the larger error counts); without
+    ``one_partition`` a row reaches a partition past the window. ``sinks`` adds random sink logits (in the
     queries' dtype) and ``softcap`` caps logits at 1.5, where tanh bends. With ``new``, each row's own
     K/V (at its last position) is given as ``new_rows`` and NaN in the pools, and must be there after.
-    Every input but the pools is a view the kernel reads through its strides: the queries and own K/V
-    once as a model's step gives them (``strided_view``) and once spaced (``spaced_view``).
-    ``warps``: simd groups per threadgroup, if not the kernel's own choice.
+    Every input but the pools is a view the kernel reads through its strides: the queries and own K/V once
+    as a model's step gives them (``strided_view``) and once spaced (``spaced_view``). ``warps``: simd
+    groups per threadgroup, if not the kernel's own choice.
     """
     lens = [1, block_size + 3, (kernel.partition_size - 1) if one_partition else (2 * kernel.partition_size + 5)]
     if window is not None and not one_partition:  # narrowed, this row fits one partition for small windows
