@@ -12,7 +12,9 @@ per second of the whole answer (its prefill included), mlx-lm's greedy ``generat
 the median gap between tokens, the 90th percentile and the largest, and the time lost to gaps over 1.5
 times the median. ``--kernel-warps N`` also times, in the same alternation, a second engine over the same
 model whose CUDA attention kernel keeps N simd groups a threadgroup whatever the step: a change
-of a few percent shows within one process, where the spread between processes hides it.
+of a few percent shows within one process, where the spread between processes hides it. ``--rope-apart``
+likewise times an engine over a second copy of the model whose decode steps rotate with the model's own RoPE
+modules, not in the attention kernel (``models.deferred_rope``).
 """
 
 import argparse
@@ -30,6 +32,7 @@ from mlx_lm.models import llama, qwen3
 from llm_paged_mlx import Engine, SamplingParams, plugins
 from llm_paged_mlx.hookspecs import hookimpl
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.models.deferred_rope import DeferredRoPE
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # smollm2.py: where the model is kept
 
@@ -88,6 +91,13 @@ def held_kernel(warps: int) -> str:
     return f"cuda, {warps} simd groups"
 
 
+def rope_apart(model) -> None:
+    """The model's RoPE modules as they were before ``defer_rope``: its layers rotate their queries and keys."""
+    for _, module in model.named_modules():
+        if isinstance(module.get("rope"), DeferredRoPE):
+            module.rope = module.rope.rope
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
@@ -96,9 +106,12 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--timeline", action="store_true", help="where each system's time went in its last round")
-    parser.add_argument("--kernel-warps", type=int, metavar="N", help="also an engine whose kernel keeps N simd groups")
+    second = parser.add_mutually_exclusive_group()
+    second.add_argument("--kernel-warps", type=int, metavar="N", help="also an engine whose kernel keeps N simd groups")
+    second.add_argument("--rope-apart", action="store_true", help="also an engine whose model rotates with its RoPE")
     args = parser.parse_args()
     held = f"engine, {args.kernel_warps} simd groups" if args.kernel_warps else None
+    held = "engine, RoPE apart" if args.rope_apart else held
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, a new prompt of 64-128 "
           f"tokens a round, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
     extra = f" {held} | its ratio |" if held else ""
@@ -111,9 +124,12 @@ def main():
             baseline, _ = load(name, bits)  # mlx-lm's own: an engine on a GPU merges its model's projections
             prompts = prompts_for(args.rounds + 1, vocab, 1, 64, 128)  # a new one each round: no prefix cache hit
             engines = {"engine": Engine(model, kv_budget_bytes=4 * 2**30)}
-            if held:
+            if args.kernel_warps:
                 kernel = held_kernel(args.kernel_warps)
                 engines[held] = Engine(model, kv_budget_bytes=4 * 2**30, attention_kernel=kernel)
+            elif args.rope_apart:
+                engines[held] = Engine(load(name, bits)[0], kv_budget_bytes=4 * 2**30)
+                rope_apart(engines[held].model)
             runs = {"mlx-lm": [], **{n: [] for n in engines}}
             for round in range(args.rounds + 1):  # the first is a warm-up
                 runs["mlx-lm"].append(mlx_lm_times(baseline, prompts[round], args.new_tokens))

@@ -73,7 +73,7 @@ def test_dialects_define_the_names_templates_use():
 
     header = kernel_sources(read_template(), CUDA, 4, 64)["partition"].header
     variant = set(re.findall(r"#define (PA_\w+)", header)) - names(CUDA)
-    assert variant == {"PA_BITS", "PA_GROUP", "PA_NEW"}
+    assert variant == {"PA_BITS", "PA_GROUP", "PA_NEW", "PA_ROPE"}
     for name in (TEMPLATE, LATENT_TEMPLATE, WRITE_TEMPLATE):
         used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template(name)).values())))
         assert used <= (names(CUDA) & names(METAL)) | variant
@@ -115,24 +115,27 @@ def test_latent_kernel_supports_what_its_tiles_and_threadgroup_memory_allow():
 def test_variants_render_one_algorithm_with_their_own_names_inputs_and_macros(dialect):
     template = read_template()
     algorithm = split_kernels(template)
-    variants = [(bits, group, False) for bits, group in VARIANTS] + [(None, None, True)]
+    variants = [(bits, group, False, False) for bits, group in VARIANTS] + [(None, None, True, False)]
+    variants.append((None, None, True, True))
     sources = {v: kernel_sources(template, dialect, *v) for v in variants}
     names = [s["partition"].name for s in sources.values()]
     assert len(set(names)) == len(names)  # MLX caches kernels by name
     assert len({s["reduce"].name for s in sources.values()}) == 1  # the reduce pass is the same for all
-    for (bits, group, new), kernels in sources.items():
+    for (bits, group, new, rope), kernels in sources.items():
         partition = kernels["partition"]
         assert partition.source == dialect.prelude + algorithm["partition"]
         macros = f"#define PA_BITS {bits or 0}\n#define PA_GROUP {group or 0}\n#define PA_NEW {int(new)}\n"
-        assert partition.header.startswith(macros)
+        assert partition.header.startswith(macros + f"#define PA_ROPE {int(rope)}\n")
         assert partition.header.endswith(dialect.header)
         pools = QUANTIZED_POOLS if bits else ["k_pool", "v_pool"] + (["new_k", "new_v"] if new else [])
+        pools += ["rope"] if rope else []
         tail = ["block_tables", "context_lens", "table_starts", "sinks", "params"]
         assert partition.input_names == ["queries", *pools, *tail]
         assert partition.output_names == ["part_out", "part_m", "part_l"]
         if bits:
             assert f"_q{bits}g{group}_" in partition.name
         assert ("_new_" in partition.name) == new
+        assert ("_rope_" in partition.name) == rope
         for name in partition.input_names:  # every input is read by the body
             assert re.search(rf"\b{name}\b", partition.source), name
 
@@ -228,18 +231,21 @@ def compile_with_nvcc(tmp_path, sources: list[str], *flags: str) -> list[str]:
 
 
 def fused_cuda_source(bits, group, dtype, dim, block, rep, hpg, one, window, sinks, softcap, warps, slots,
-                      new=False) -> str:
-    """The partition and reduce kernels of one variant, wrapped as mx.fast.cuda_kernel wraps them."""
-    kernels = kernel_sources(read_template(), CUDA, bits, group, new)
+                      new=False, rotation=None) -> str:
+    """The partition and reduce kernels of one variant, wrapped as mx.fast.cuda_kernel wraps them;
+    ``rotation``: ``(ROT, TRAD)`` of a variant that rotates its queries and own keys."""
+    kernels = kernel_sources(read_template(), CUDA, bits, group, new, rotation is not None)
     ctype = CUDA_TYPES[dtype]
     names = ["queries", "k_pool", "v_pool", "k_scales", "k_biases", "v_scales", "v_biases", "new_k", "new_v"]
     params = dict.fromkeys(names, ctype)
     if bits:
         params["k_pool"] = params["v_pool"] = "uint32_t"
     params.update(block_tables="int32_t", context_lens="int32_t", table_starts="int32_t", sinks=ctype)
-    params.update(params="float", part_m="float", part_l="float")
+    params.update(params="float", part_m="float", part_l="float", rope="float")
     masking = dict(WINDOW=window, SINKS=sinks, SOFTCAP=softcap)
     constants = dict(T=dtype, D=dim, BS=block, REP=rep, HPG=hpg, PART=512, NW=warps, SLOTS=slots, ONE=one, **masking)
+    if rotation is not None:
+        constants.update(ROT=rotation[0], TRAD=rotation[1])
     return (
         CUDA_PREAMBLE
         + kernels["partition"].header
@@ -249,14 +255,17 @@ def fused_cuda_source(bits, group, dtype, dim, block, rep, hpg, one, window, sin
     )
 
 
-@pytest.mark.parametrize("bits,new", [(None, False), (None, True), (4, False)])
-def test_the_partition_kernel_reads_every_input_but_the_pools_and_params_through_its_strides(bits, new):
+@pytest.mark.parametrize("bits,new,rope", [(None, False, False), (None, True, False), (4, False, False),
+                                           (None, True, True)])  # fmt: skip
+def test_the_partition_kernel_reads_every_input_but_the_pools_and_params_through_its_strides(bits, new, rope):
     """It is built to take inputs as they are (``FusedKernel.decode``: views are not copied), so an input it
-    indexes as row-contiguous must be one the engine makes so: the pools and the params, no other."""
-    partition = kernel_sources(read_template(), CUDA, bits, 64 if bits else None, new)["partition"]
+    indexes as row-contiguous must be one the engine makes so: the pools, the params and the rope's table
+    (``AttentionPlan.rope_table``), no other."""
+    partition = kernel_sources(read_template(), CUDA, bits, 64 if bits else None, new, rope)["partition"]
     strided = {name for name in partition.input_names if f"{name}_strides" in partition.source}
     pools = {name for name in partition.input_names if name.startswith(("k_", "v_"))}
-    assert strided == set(partition.input_names) - pools - {"params"}
+    assert strided == set(partition.input_names) - pools - {"params", "rope"}
+
     assert {"queries", "block_tables", "context_lens"} <= strided and ({"new_k", "new_v"} <= strided) == new
 
 
@@ -274,6 +283,9 @@ def test_cuda_rendering_compiles_with_nvcc(tmp_path):
         (8, 32, mx.float16, 256, 32, 8, 8, True, 0, False, False, 8, 3),
         (None, None, mx.bfloat16, 64, 16, 8, 8, True, 128, True, False, 4, 4),
         (4, 64, mx.bfloat16, 128, 16, 2, 2, False, 4096, True, True, 8, 8),
+        # ... and NEW, the rotation (ROT, TRAD): RoPE in the kernel, partial and traditional alike
+        (None, None, mx.bfloat16, 128, 16, 4, 4, False, 0, False, False, 16, 16, True, (128, False)),
+        (None, None, mx.float16, 64, 16, 8, 8, True, 128, True, True, 4, 4, True, (32, True)),
     ]
     sources = [fused_cuda_source(*case) for case in cases]
     # 177: a variable declared and never used (the prelude's pa_group_x in the reduce kernel)
@@ -286,8 +298,11 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
     kernel's registers (ptxas, rounded up to 8 a thread) times its threads fit ``REGISTER_FILE``. The
     variants that take the most registers at each count of heads (every variant was compiled once)."""
     kernel = CudaKernel()
-    cases = [  # bits, group, dtype, D, BS, HPG, new, window with sinks and softcap
+    cases = [  # bits, group, dtype, D, BS, HPG, new (or "rope": and rotated), window with sinks and softcap
         (None, None, mx.float32, 256, 16, 5, True, False),
+        (None, None, mx.float32, 256, 16, 5, "rope", True),
+        (None, None, mx.bfloat16, 256, 16, 6, "rope", False),
+        (None, None, mx.bfloat16, 128, 16, 4, "rope", False),
         (None, None, mx.bfloat16, 256, 16, 4, False, False),
         (None, None, mx.bfloat16, 256, 16, 6, True, False),
         (4, 64, mx.bfloat16, 256, 16, 8, False, False),
@@ -299,8 +314,9 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
     for bits, group, dtype, dim, block, hpg, new, masked in cases:
         warps = max(kernel.warp_choices(hpg))
         slots = kernel._slots(warps, hpg, dim, block)
+        rotation = (dim, False) if new == "rope" else None
         sources.append(fused_cuda_source(bits, group, dtype, dim, block, hpg, hpg, False, 4096 if masked else 0,
-                                         masked, masked, warps, slots, new))  # fmt: skip
+                                         masked, masked, warps, slots, bool(new), rotation))  # fmt: skip
         threads.append(warps * 32)
     outputs = compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177", "-Xptxas", "-v")
     for case, output, count in zip(cases, outputs, threads):
@@ -310,14 +326,15 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
-@pytest.mark.parametrize("new", [True, False])
-def test_a_simd_group_issues_its_key_loads_together(tmp_path, new):
+@pytest.mark.parametrize("new,rotation", [(True, None), (False, None), (True, (128, False))],
+                         ids=["new", "pooled", "rope"])  # fmt: skip
+def test_a_simd_group_issues_its_key_loads_together(tmp_path, new, rotation):
     """In a decode step's variant (the row's own K/V given) and in the one that reads the pools alone, the
     partition kernel's first K loads of a block (bf16, D=128: four 16-byte loads) come one after another in
     the PTX, with no use of a loaded value (a shuffle of its dot product) between them, so that a simd group
     waits on memory once for them, not once each; and with no branch (around the row's own token, ptxas
     would load from both sources)."""
-    source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new)
+    source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new, rotation)
     (tmp_path / "k.cu").write_text(source)
     subprocess.run(["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-ptx", "k.cu", "-o", "k.ptx"], cwd=tmp_path,
                    check=True, capture_output=True)  # fmt: skip

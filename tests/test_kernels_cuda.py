@@ -22,11 +22,13 @@ from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import quantized_matvec, select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
 from llm_paged_mlx.kernels.fused import CudaKernel
-from llm_paged_mlx.kernels.fused_check import check_error, spaced_view
+from llm_paged_mlx.kernels.fused_check import check_error, check_rope, spaced_view
 from llm_paged_mlx.kernels.in_place import InPlaceWrites
 from llm_paged_mlx.kernels.plan import window_tables
 from llm_paged_mlx.kernels.quantized import QuantizedPool
+from llm_paged_mlx.models import adapt as adapt_module
 from llm_paged_mlx.models import quantized_rows
+from llm_paged_mlx.models.deferred_rope import DeferredRoPE
 from llm_paged_mlx.models.merged_projections import MergedPart
 
 pytestmark = pytest.mark.skipif(not mx.cuda.is_available(), reason="needs MLX with CUDA")
@@ -432,6 +434,57 @@ def test_decode_kernel_reads_and_writes_the_rows_own_k_v(dtype, dim, block_size,
         assert error <= LIMIT[dtype]
     assert kernel.usable(dtype, mx.zeros((2, 2, block_size, dim), dtype), mx.zeros((2, 2, block_size, dim), dtype),
                          2 * rep, window, sinks, new=True)  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype,dim,rep,window,rotation", [
+    (mx.bfloat16, 128, 4, None, (128, False)), (mx.float32, 64, 1, None, (64, True)),
+    (mx.float16, 128, 8, None, (64, False)), (mx.bfloat16, 64, 2, 100, (32, True)),
+])  # fmt: skip
+def test_decode_kernel_rotates_the_queries_and_keys_it_is_given(dtype, dim, rep, window, rotation):
+    """RoPE in the kernel: unrotated queries and own keys, rotated as ``RopeSpec.rotate`` rotates them (whole
+    rows and their first half, in pairs of halves or neighbours), the keys written rotated."""
+    kernel = CudaKernel()
+    for one in (False, True):
+        error = check_error(kernel, dtype, dim, 16, rep, one_partition=one, window=window, new=True, rotation=rotation)
+        assert error <= LIMIT[dtype]
+    pools = [mx.zeros((2, 2, 16, dim), dtype)] * 2
+    assert kernel.usable(dtype, *pools, 2 * rep, window, new=True, rope=check_rope(*rotation))
+    assert not kernel.usable(dtype, *pools, 2 * rep, window, new=True, rope=check_rope(8, False))  # lanes straddle
+
+
+def test_a_kernel_that_rotates_wrongly_falls_back():
+    template = read_template()
+    line = "    pa_rope<T, VEC, ROT, TRAD>(q[h], pair, sub * VEC, position, rope);\n"
+    assert line in template
+    kernel = CudaKernel(template=template.replace(line, ""))
+    pools = [mx.zeros((2, 2, 16, 64), mx.bfloat16)] * 2
+    with pytest.warns(RuntimeWarning, match="disagrees"):
+        assert not kernel.usable(mx.bfloat16, *pools, 4, new=True, rope=check_rope(64, False))
+    assert kernel.usable(mx.bfloat16, *pools, 4, new=True)  # the other configurations stand
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_an_engine_on_the_gpu_leaves_rope_to_the_kernel_and_gives_the_tokens_of_the_model_s_rope(arch, monkeypatch):
+    """Decode steps hand the kernel unrotated rows: token for token the engine's whose layers rotate them, but
+    where the kernel's rounding (its cosines, its float32 queries) flips a near tie (each request agrees up to 20
+    tokens, all but one whole)."""
+    model = tiny_model(arch)
+    model.set_dtype(mx.bfloat16)
+    apart = copy.deepcopy(model)
+    prompts = random_prompts([12, 30, 45, 20, 1, 100, 17], seed=6)
+    params = [SamplingParams(max_tokens=30 + 3 * i) for i in range(len(prompts))]
+    ropes = []
+    decode = CudaKernel.decode
+    monkeypatch.setattr(CudaKernel, "decode",
+                        lambda self, *a, **k: ropes.append(k.get("rope")) or decode(self, *a, **k))  # fmt: skip
+    deferred = [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
+    layers = model.model.layers if arch == "llama" else model.layers
+    assert all(isinstance(layer.self_attn.rope, DeferredRoPE) for layer in layers)
+    assert any(rope is not None for rope in ropes)
+    monkeypatch.setattr(adapt_module, "defer_rope", lambda model: 0)
+    separate = [o.token_ids for o in Engine(apart, num_blocks=64).generate(prompts, params)]
+    assert all(got[:20] == want[:20] for got, want in zip(deferred, separate))
+    assert sum(got == want for got, want in zip(deferred, separate)) >= len(prompts) - 1
 
 
 def misaligned(x):

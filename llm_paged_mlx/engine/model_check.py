@@ -47,7 +47,7 @@ _UNKNOWN = object()
 _OWN_SOURCES = (
     "engine/*.py", "kernels/*.py", "models/adapt.py", "models/attention_hook.py", "models/paged_cache.py",
     "models/quantized_rows.py", "models/softcapped.py", "models/state_cache.py", "models/latent_shape.py",
-    "models/merged_projections.py",
+    "models/merged_projections.py", "models/deferred_rope.py",
 )  # fmt: skip
 
 

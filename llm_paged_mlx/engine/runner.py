@@ -31,6 +31,7 @@ from ..kernels.plan import AttentionPlan, LayerPacer, PrefillChunk, paces_layers
 from ..kernels.portable import PREFILL_ATTENTION_BYTES
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS, latent_shape
 from ..models.adapt import ModelSpec
+from ..models.deferred_rope import deferring
 from ..models.paged_cache import LayerLayout, PagedLayerCache
 from ..models.state_cache import honours_lengths
 from .config import EngineConfig
@@ -152,7 +153,8 @@ class ModelRunner:
         for cache, group in zip(self.kv.caches, self.groups.layer_groups):
             cache.plan = plans[group]
         try:
-            out = (self.model.model if self.split else self.model)(inputs, cache=self.kv.model_caches)
+            with deferring():  # decode steps' RoPE in the attention kernel, where it rotates (``deferred_rope``)
+                out = (self.model.model if self.split else self.model)(inputs, cache=self.kv.model_caches)
         except BaseException:
             for cache in self.kv.caches:  # rows of a failed call (or of a failed trace's placeholders)
                 cache.drop_pending()

@@ -34,6 +34,10 @@ say it does none of this:
   models with kernels without it.
 - ``in_place_writes = True``: its ``write_and_attend`` writes a step's K/V
   into the pools in place (``kernels.in_place``).
+- ``applies_rope = True``: its ``write_and_attend`` also takes ``rope`` (a
+  ``rope.RopeSpec``) as a keyword argument: a decode step's queries and keys
+  come unrotated, to be rotated at the plan's positions (``plan.rope_table``),
+  or None returned, and the engine rotates them with the model's own RoPE.
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
   whose rows are the keys and whose first ``value_dim`` values are the values;

@@ -18,6 +18,7 @@ class AttentionKernel:
     windowed = False
     softcapped = False
     in_place_writes = False
+    applies_rope = False
     prefill_as_rows: Optional[Callable[[int, int], bool]] = None
     latent_attention: Optional[Callable] = None
     write_and_attend: Optional[Callable] = None

@@ -21,6 +21,51 @@ LATENT_TEMPLATE = "latent_attention.in"
 WRITE_TEMPLATE = "write_rows.in"
 _KERNEL_MARK = re.compile(r"^// @kernel (\w+)\n", re.MULTILINE)
 
+# RoPE as mx.fast.rope computes it, for kernels that rotate what they read (both dialects).
+ROPE_HELPERS = """\
+// Value j of a row rotated by RoPE, given the value it pairs with: the first Rot values rotate in pairs (j, j +
+// Rot / 2), or (j, j + 1) with Trad, by the angles whose cosines and sines table holds (Rot / 2 of each, times a
+// scale of the rotated values); values past Rot are as given.
+template <int Rot, int Trad, typename R>
+PA_INLINE float pa_rope_value(float x, float pair, int j, R table) {
+  if (j >= Rot) {
+    return x;
+  }
+  const int i = Trad ? j / 2 : j % (Rot / 2);
+  const float c = table[i];
+  const float s = table[Rot / 2 + i];
+  const bool first = Trad ? j % 2 == 0 : j < Rot / 2;
+  return first ? x * c - pair * s : pair * s + x * c;
+}
+
+// The index of the value that value j of a row pairs with.
+template <int Rot, int Trad>
+PA_INLINE int pa_rope_pair(int j) {
+  return j >= Rot ? j : (Trad ? j ^ 1 : (j < Rot / 2 ? j + Rot / 2 : j - Rot / 2));
+}
+
+// Where the values paired with a lane's values from j (an even index, none of them straddling Rot or Rot / 2)
+// start: Trad pairs lie within the lane's own.
+template <int Rot, int Trad>
+PA_INLINE int pa_rope_lane_pair(int j) {
+  return Trad ? j : pa_rope_pair<Rot, 0>(j);
+}
+
+// A lane's N values x from index j rotated (pair: the N values from pa_rope_lane_pair(j)), rounded to U.
+template <typename U, int N, int Rot, int Trad, typename P, typename R>
+PA_INLINE void pa_rope(P x, P pair, int j, R table) {
+  float rotated[N];
+  PA_UNROLL
+  for (int e = 0; e < N; ++e) {
+    rotated[e] = pa_rope_value<Rot, Trad>(x[e], Trad ? pair[e ^ 1] : pair[e], j + e, table);
+  }
+  PA_UNROLL
+  for (int e = 0; e < N; ++e) {
+    x[e] = static_cast<float>(static_cast<U>(rotated[e]));
+  }
+}
+"""
+
 
 @dataclass(frozen=True)
 class Dialect:
@@ -52,6 +97,7 @@ CUDA = Dialect(
 #define PA_EXP(x) expf(x)
 #define PA_MAX(a, b) fmaxf((a), (b))
 #define PA_TANH(x) tanhf(x)
+#define PA_INLINE __device__ __forceinline__
 #define PA_UNROLL _Pragma("unroll")
 #define PA_WRITABLE(T, p) const_cast<T*>(p)
 typedef long long pa_index_t;
@@ -112,7 +158,8 @@ template <typename P>
 __device__ __forceinline__ void pa_store(P* dst, float v) {
   *dst = static_cast<P>(v);
 }
-""",
+"""
+    + ROPE_HELPERS,
     tile=16,
     tiles="""\
 // Tiles of one warp, for mma.sync.m16n8k16 (two per tile product; no header: NVRTC may lack mma.h's).
@@ -242,6 +289,7 @@ METAL = Dialect(
 #define PA_EXP(x) metal::exp(x)
 #define PA_MAX(a, b) metal::max((a), (b))
 #define PA_TANH(x) metal::precise::tanh(x)
+#define PA_INLINE inline
 #define PA_UNROLL _Pragma("clang loop unroll(full)")
 #define PA_WRITABLE(T, p) const_cast<device T*>(p)
 typedef long pa_index_t;
@@ -281,7 +329,8 @@ template <typename P>
 inline void pa_store(device P* dst, float v) {
   *dst = static_cast<P>(v);
 }
-""",
+"""
+    + ROPE_HELPERS,
     tile=8,
     tiles="""\
 #include <metal_simdgroup_matrix>

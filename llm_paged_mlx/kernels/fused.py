@@ -46,6 +46,7 @@ from .latent import LatentKernels
 from .plan import AttentionPlan, PrefillChunk
 from .portable import PortableKernel, chunk_own_rows, prefill_attention
 from .quantized import KV_BITS, QuantizedPool
+from .rope import RopeSpec
 
 SIMD = 32
 VEC = 8  # values of a K/V row per lane (the template's VEC)
@@ -67,21 +68,25 @@ TOLERANCE = {mx.float32: 1e-4, mx.float16: 1e-2, mx.bfloat16: 2e-2}
 
 
 def kernel_sources(
-    template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None, new: bool = False
-):
+    template: str, dialect: Dialect, bits: int | None = None, group_size: int | None = None, new: bool = False,
+    rope: bool = False,
+):  # fmt: skip
     """``{"partition": KernelSource, "reduce": KernelSource}`` for full precision (``bits`` None) or for
     pools quantized to ``bits`` in groups of ``group_size``; ``new``: the partition kernel takes each row's
-    own K/V and writes them (full precision only). Names differ by variant and template text (MLX caches
+    own K/V and writes them (full precision only); ``rope``: and rotates the queries and keys it is given, by
+    a table of each row's angles (``RopeSpec.table``). Names differ by variant and template text (MLX caches
     compiled kernels by name)."""
     assert not (new and bits), "only full-precision pools take the rows' own K/V"
-    defines = {"PA_BITS": bits or 0, "PA_GROUP": group_size if bits else 0, "PA_NEW": int(new)}
+    assert new or not rope, "only the rows' own keys are rotated"
+    defines = {"PA_BITS": bits or 0, "PA_GROUP": group_size if bits else 0, "PA_NEW": int(new), "PA_ROPE": int(rope)}
     bodies = render(template, dialect, defines)
     tag = hashlib.sha1(template.encode()).hexdigest()[:12]
-    variant = f"q{bits}g{group_size}_" if bits else ("new_" if new else "")
+    variant = f"q{bits}g{group_size}_" if bits else ("new_rope_" if rope else ("new_" if new else ""))
     pools = (
         ["k_pool", "k_scales", "k_biases", "v_pool", "v_scales", "v_biases"] if bits else ["k_pool", "v_pool"]
     )
     pools += ["new_k", "new_v"] if new else []
+    pools += ["rope"] if rope else []
     specs = {
         "partition": (f"paged_attention_partition_{variant}{tag}",
                       ["queries", *pools, "block_tables", "context_lens", "table_starts", "sinks", "params"],
@@ -185,21 +190,26 @@ class FusedKernel(AttentionKernel):
         return tables, lens, starts
 
     def write_and_attend(self, queries, k_flat, v_flat, index, keys, values, plan: AttentionPlan, shape,
-                         scale: float, window=None, sinks=None, softcap=None):  # fmt: skip
+                         scale: float, window=None, sinks=None, softcap=None,
+                         rope: RopeSpec | None = None):  # fmt: skip
         """Write a step's K/V (``keys``, ``values``: ``(T, kv_heads, D)``, at rows ``index`` of the flat
         pools, whose ``(blocks, kv_heads, tokens)`` rows have ``shape``) in place, and attend as ``__call__``
         does: a decode step in one kernel that reads each row's own K/V as given and writes them, a step
-        whose every row is a query of the row kernel with ``in_place`` first. Returns the attention's
-        output, or None where this cannot be done (nothing is written: the caller writes)."""
+        whose every row is a query of the row kernel with ``in_place`` first. With ``rope``, the queries and
+        keys are unrotated: a decode step's kernel rotates them at the plan's positions. Returns the
+        attention's output, or None where this cannot be done (nothing is written: the caller writes)."""
         if not self.in_place_writes:
             return None
         k_pool, v_pool = (p.reshape(*shape, -1) for p in (k_flat, v_flat))
         masking = {"window": window, "sinks": sinks, "softcap": softcap}
         features = (queries.dtype, k_pool, v_pool, queries.shape[1], window, sinks is not None, softcap)
-        if plan.one_token_per_sequence and self.usable(*features, new=True):
+        if plan.one_token_per_sequence and self.usable(*features, new=True, rope=rope):
             tables, lens, starts = self._row_tables(plan, False, window)
             return self.decode(queries, k_pool, v_pool, tables, lens, scale, **masking, table_starts=starts,
-                               new_rows=(keys, values))  # fmt: skip
+                               new_rows=(keys, values), rope=rope,
+                               rope_table=None if rope is None else plan.rope_table(rope))  # fmt: skip
+        if rope is not None:
+            return None
         if plan.prefills and not self._all_rows(plan, k_pool):
             return None
         if not self.usable(*features) or not self.writes.usable(k_flat.dtype, queries.dtype):
@@ -268,32 +278,45 @@ class FusedKernel(AttentionKernel):
         )
 
     def usable(
-        self, dtype, k_pool, v_pool, q_heads: int, window=None, sinks: bool = False, softcap=None, new=False
-    ) -> bool:
+        self, dtype, k_pool, v_pool, q_heads: int, window=None, sinks: bool = False, softcap=None, new=False,
+        rope: RopeSpec | None = None,
+    ) -> bool:  # fmt: skip
         """Supported, and passed its self-check on this device, for this ``window`` (or none), with or
         without ``sinks`` and a ``softcap``, with or without the rows' own K/V (``new``, ``decode``'s
-        ``new_rows``)."""
+        ``new_rows``), rotated by ``rope`` or not."""
         if not self.supports(dtype, k_pool, v_pool, q_heads):
             return False
         _, kv_heads, block_size, dim = k_pool.shape
         layout = quantization(k_pool, v_pool)
         if new and layout != (None, None):
             return False
-        features = (window, sinks, softcap is not None, new)
+        if rope is not None and not (new and self.rotates(rope, dim)):
+            return False
+        rotation = None if rope is None else (rope.dims, rope.traditional)
+        features = (window, sinks, softcap is not None, new, rotation)
         key = (str(mx.default_device()), dtype, dim, block_size, q_heads // kv_heads, *layout, *features)
         if key not in self._checked:
             self._checked[key] = self._self_check(*key[1:])
         return self._checked[key]
 
+    @staticmethod
+    def rotates(rope: RopeSpec, dim: int) -> bool:
+        """Whether the kernel rotates rows of ``dim`` values by ``rope``: whole lanes of values rotate, and each
+        lane's pairs lie in one other lane (or, traditional, its own)."""
+        return 0 < rope.dims <= dim and rope.dims % (2 * VEC) == 0
+
     def decode(self, queries, k_pool, v_pool, block_tables, context_lens, scale: float, window=None, sinks=None,
-               softcap=None, table_starts=None, new_rows=None, warps=None) -> mx.array:  # fmt: skip
+               softcap=None, table_starts=None, new_rows=None, warps=None, rope: RopeSpec | None = None,
+               rope_table=None) -> mx.array:  # fmt: skip
         """The fused kernels, unchecked: ``(R, Hq, 1, D)`` queries over ``(R, W)`` block tables, each
         query over its last ``window`` tokens if given, with ``sinks`` and ``softcap`` as ``__call__``
         takes them; ``table_starts`` ``(R,)``: the position of each table's first column, if not 0
         (``plan.window_tables``; only with a window); ``new_rows``: each row's own keys and values
-        ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place; ``warps``:
-        simd groups per threadgroup, if not the kernel's own choice. Queries, tables, lengths, sinks and
-        new rows may be views of any strides (read in place); the pools must be row-contiguous."""
+        ``(R, kv_heads, D)``, read from there and written into its slot of the pools, in place; ``rope``: the
+        queries and new keys are unrotated, and rotated by the angles of ``rope_table`` (``rope.table`` of the
+        rows' positions, row-contiguous; only with ``new_rows``); ``warps``: simd groups per threadgroup, if not
+        the kernel's own choice. Queries, tables, lengths, sinks and new rows may be views of any strides (read
+        in place); the pools must be row-contiguous."""
         rows, q_heads, _, dim = queries.shape
         _, kv_heads, block_size, _ = k_pool.shape
         dtype = k_pool.dtype
@@ -305,11 +328,15 @@ class FusedKernel(AttentionKernel):
         slots = self._slots(warps, heads_per_group, dim, block_size)
         threads = warps * SIMD
         bits, group_size = quantization(k_pool, v_pool)
-        partition, reduce = self._compiled(bits, group_size, new_rows is not None)
+        partition, reduce = self._compiled(bits, group_size, new_rows is not None, rope is not None)
         if bits:
             pools = [k_pool.data, k_pool.scales, k_pool.biases, v_pool.data, v_pool.scales, v_pool.biases]
         else:
             pools = [k_pool, v_pool, *(new_rows or [])]
+        rotation = []
+        if rope is not None:
+            pools.append(rope_table)
+            rotation = [("ROT", rope.dims), ("TRAD", rope.traditional)]
         lens = context_lens.astype(mx.int32)
         one = parts == 1  # the partition kernel writes the output itself
         starts = self._table_starts(rows, window, table_starts)
@@ -320,7 +347,7 @@ class FusedKernel(AttentionKernel):
         part_out, part_m, part_l = partition(
             inputs=[queries, *pools, block_tables.astype(mx.int32), lens, starts, sinks, self._params(scale, softcap)],
             template=[("T", dtype), ("D", dim), ("BS", block_size), ("REP", rep), ("HPG", heads_per_group),
-                      ("PART", part), ("NW", warps), ("SLOTS", slots), ("ONE", one), *masking],
+                      ("PART", part), ("NW", warps), ("SLOTS", slots), ("ONE", one), *masking, *rotation],
             grid=(parts * threads, kv_heads * groups, rows), threadgroup=(threads, 1, 1),
             output_shapes=[(rows, q_heads, parts, dim)] + [(1,) if one else (rows, q_heads, parts)] * 2,
             output_dtypes=[dtype if one else mx.float32, mx.float32, mx.float32],
@@ -386,11 +413,11 @@ class FusedKernel(AttentionKernel):
             mx.eval(self._param_arrays[key])
         return self._param_arrays[key]
 
-    def _compiled(self, bits=None, group_size=None, new=False):
+    def _compiled(self, bits=None, group_size=None, new=False, rope=False):
         """The (partition, reduce) kernels of a variant, made at first use."""
-        key = (bits, group_size, new)
+        key = (bits, group_size, new, rope)
         if key not in self._kernels:
-            sources = kernel_sources(self.template, self.dialect, bits, group_size, new)
+            sources = kernel_sources(self.template, self.dialect, bits, group_size, new, rope)
             # The partition kernel reads its views through their strides; pools and params are row-contiguous.
             partition = build(sources["partition"], self.dialect, contiguous=False)
             self._kernels[key] = (partition, build(sources["reduce"], self.dialect))
@@ -398,12 +425,12 @@ class FusedKernel(AttentionKernel):
 
     def _self_check(
         self, dtype, dim: int, block_size: int, rep: int, bits=None, group_size=None, window=None, sinks=False,
-        softcap=False, new=False,
+        softcap=False, new=False, rotation=None,
     ) -> bool:  # fmt: skip
         config = f"dtype={dtype}, head_dim={dim}, block_size={block_size}, gqa={rep}"
         if bits:
             config += f", kv_bits={bits}, group_size={group_size}"
-        features = {"window": window, "sinks": sinks, "softcap": softcap, "new": new}
+        features = {"window": window, "sinks": sinks, "softcap": softcap, "new": new, "rotation": rotation}
         config += "".join(f", {name}={value}" for name, value in features.items() if value)
         return self_check.passes(
             f"{self.name} paged attention",
@@ -426,6 +453,7 @@ class CudaKernel(FusedKernel):
     name = "cuda"
     dialect = CUDA
     in_place_writes = True
+    applies_rope = True  # its decode steps' kernel rotates unrotated rows (write_and_attend's rope)
     max_warps = 16
 
     def is_available(self) -> bool:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from .rope import RopeSpec
+
 
 def paces_layers() -> bool:
     """Whether eager steps on the default device keep it a layer ahead of the host (``LayerPacer``): on GPUs.
@@ -137,6 +139,13 @@ class AttentionPlan:
             heads = mx.arange(num_kv_heads, dtype=mx.int32)
             idx = (block[:, None] * num_kv_heads + heads[None]) * self.block_size
             self._cache[key] = idx + offset[:, None]
+        return self._cache[key]
+
+    def rope_table(self, rope: RopeSpec) -> mx.array:
+        """``rope.table`` of the rows' positions, shared by the step's layers that rotate alike."""
+        key = ("rope", id(rope))
+        if key not in self._cache:
+            self._cache[key] = rope.table(self.positions)
         return self._cache[key]
 
     def window_tables(self, window: int, every_row: bool = False) -> tuple[mx.array, "mx.array | None"]:

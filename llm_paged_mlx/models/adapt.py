@@ -19,6 +19,7 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.cache import ArraysCache, CacheList, KVCache, RotatingKVCache, make_prompt_cache
 
+from .deferred_rope import defer_rope
 from .merged_projections import merge_projections
 from .attention_hook import install_attention_hook, paged_scaled_dot_product_attention
 from .paged_cache import LayerLayout
@@ -108,10 +109,11 @@ def check_model(model: nn.Module) -> ModelSpec:
 def adapt_model(model: nn.Module) -> None:
     """Quantized linear layers multiply a step's rows as one matrix (``quantized_rows``), and on a GPU
     projections that read the same input run as one product (``merged_projections``: load the model again
-    to train, convert or shard it)."""
+    to train, convert or shard it) and decode steps leave RoPE to the attention kernel (``deferred_rope``)."""
     fold_quantized_rows(model)
     if mx.default_device() == mx.gpu:
         merge_projections(model)
+        defer_rope(model)
 
 
 def model_caches(model: nn.Module, caches: list) -> list:

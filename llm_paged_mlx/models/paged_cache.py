@@ -30,6 +30,7 @@ sequence's first position.
 """
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 
@@ -42,7 +43,7 @@ from ..kernels.portable import (
     visible_keys,
 )
 from ..kernels.quantized import QuantizedPool, check_quantization, rotate, unrotate
-from . import attention_hook
+from . import attention_hook, deferred_rope
 from .attention_hook import HookedCache
 from .latent_shape import query_tile
 
@@ -57,6 +58,16 @@ def pool_columns(dim: int, dtype: mx.Dtype, kv_bits=None, kv_group_size=64) -> l
         return [(dim, dtype)]
     groups = dim // kv_group_size
     return [(dim * kv_bits // 32, mx.uint32), (groups, dtype), (groups, dtype)]
+
+
+class PendingRows(NamedTuple):
+    """K/V rows a step wrote ``(T, heads, D)``, at rows ``index`` of the pools; ``rotation``: the keys are
+    unrotated, their RoPE left to the kernel (``deferred_rope``)."""
+
+    index: mx.array
+    keys: mx.array
+    values: mx.array
+    rotation: "deferred_rope.DeferredRotation | None"
 
 
 class PagedLayerCache(HookedCache):
@@ -101,7 +112,7 @@ class PagedLayerCache(HookedCache):
         self.kernel = kernel
         self.plan: AttentionPlan | None = None
         self._step_rows: list[mx.array] | None = None  # see _keep_step_rows
-        self._pending: tuple | None = None  # (index, keys, values) a step wrote, until attend writes them
+        self._pending: PendingRows | None = None  # what a step wrote, until attend writes it
         self.decodes_in_place = False  # whether the last decode step traced wrote this layer's K/V in place
 
     @property
@@ -125,15 +136,19 @@ class PagedLayerCache(HookedCache):
         return self.plan.rope_offsets
 
     def update_and_fetch(self, keys, values):
+        """Write a step's K/V rows (full precision: left for ``attend``, which may write them in place); returns
+        them (unused: the attention hook reads the pools)."""
         self.write_pending()  # rows no attention took (none do, but a write must not be lost)
+        rotation = deferred_rope.take(keys)
+        if rotation is not None and not self._may_rotate_in_kernel(rotation):
+            keys, rotation = rotation.apply(keys), None
         keys, values = self.plan.as_rows(keys), self.plan.as_rows(values)
         rows, heads = keys.shape[0], keys.shape[1]
         index = self.plan.write_indices(heads)
         keys, values = keys.reshape(rows, heads, -1), values.reshape(rows, heads, -1)
         if self.bits is None:  # written by attend: in place where the kernel can (FusedKernel.write_and_attend)
-            keys, values = keys.astype(self.dtype), values.astype(self.dtype)
-            self._pending = (index, keys, values)
-            return keys, values  # unused: the hook reads the pools
+            self._pending = PendingRows(index, keys, values, rotation)
+            return keys, values
         keys = self._write(keys, self.arrays[: self.parts], index, self.rotated)
         values = self._write(values, self.arrays[self.parts :], index, rotated=False)
         self._keep_step_rows([keys, values])
@@ -142,22 +157,42 @@ class PagedLayerCache(HookedCache):
     def write_pending(self) -> None:
         """Write the K/V rows ``update_and_fetch`` left for ``attend``, as a scatter."""
         if self._pending is not None:
-            index, keys, values = self._pending
+            index, keys, values = self._pending_rows()
             self._pending = None
             self.arrays[0][index] = keys
             self.arrays[1][index] = values
+
+    def _pending_rows(self, rotated: bool = True) -> tuple:
+        """``(index, keys, values)`` of the rows ``update_and_fetch`` left, in the pool's dtype, the keys
+        rotated unless their rotation is left to the kernel (not ``rotated``)."""
+        index, keys, values, rotation = self._pending
+        if rotated and rotation is not None:
+            keys = rotation.apply(keys)
+        return index, keys.astype(self.dtype), values.astype(self.dtype)
+
+    def _may_rotate_in_kernel(self, rotation: deferred_rope.DeferredRotation) -> bool:
+        """Whether this step's attention may go to a kernel that rotates the decode rows' queries and keys (at
+        the plan's positions: a layer may have given its RoPE other offsets)."""
+        plan = self.plan
+        return (
+            self.bits is None and self.kernel.applies_rope and plan.in_place and plan.one_token_per_sequence
+            and rotation.offset is plan.positions and not attention_hook.in_float32()
+        )  # fmt: skip
 
     def drop_pending(self) -> None:
         """Forget the K/V rows of a step that is undone."""
         self._pending = None
 
-    def _write_and_attend(self, rows, scale, masking) -> mx.array | None:
+    def _write_and_attend(self, rows, scale, masking, rotation=None) -> mx.array | None:
         """The attention of ``rows`` by a kernel that also writes the K/V rows ``update_and_fetch`` left, in
-        place (``FusedKernel.write_and_attend``), where the plan allows it; None if it cannot."""
+        place (``FusedKernel.write_and_attend``), where the plan allows it; None if it cannot. ``rotation``:
+        the rows are unrotated, and so are the keys left (by the same RoPE): the kernel rotates both."""
         write_and_attend = self.kernel.write_and_attend
         if self._pending is None or write_and_attend is None or not self.plan.in_place or attention_hook.in_float32():
             return None
-        out = write_and_attend(rows, *self.arrays, *self._pending, self.plan, self.shape, scale, **masking)
+        rope = {} if rotation is None else {"rope": rotation.spec}
+        pending = self._pending_rows(rotated=rotation is None)
+        out = write_and_attend(rows, *self.arrays, *pending, self.plan, self.shape, scale, **masking, **rope)
         if self.plan.one_token_per_sequence:
             self.decodes_in_place = out is not None
         if out is not None:
@@ -200,6 +235,11 @@ class PagedLayerCache(HookedCache):
     def attend(self, queries, scale, sinks=None, softcap=None):
         """The kernel's attention of ``queries`` over this layer's pool (``sinks``, ``softcap``: see
         ``kernels``)."""
+        rotation = deferred_rope.take(queries)
+        keys_rotation = None if self._pending is None else self._pending.rotation
+        in_kernel = rotation is not None and keys_rotation is not None and rotation.same(keys_rotation)
+        if rotation is not None and not in_kernel:
+            queries = rotation.apply(queries)
         dtype = queries.dtype
         window_and_sinks = {} if self.window is None and sinks is None else {"window": self.window, "sinks": sinks}
         if sinks is not None and not self.kernel.windowed:
@@ -211,7 +251,10 @@ class PagedLayerCache(HookedCache):
         rows = self.plan.as_rows(queries)
         if self.rotated:  # against rotated keys, the same scores
             rows = unrotate(rows, self.group_size)
-        out, overlap = self._write_and_attend(rows, scale, window_and_sinks), False
+        out, overlap = self._write_and_attend(rows, scale, window_and_sinks, rotation if in_kernel else None), False
+        if out is None and in_kernel:  # the kernel does not rotate: the rows are rotated here, the keys as written
+            rows = rotation.apply(rows)
+            out = self._write_and_attend(rows, scale, window_and_sinks)
         if out is None:
             self.write_pending()
             pools = [a.reshape(*self.shape, -1) for a in self.arrays]
