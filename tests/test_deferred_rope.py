@@ -12,7 +12,7 @@ from test_engine import random_prompts, reference, run_staggered
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.kernels.portable import PortableKernel
 from llm_paged_mlx.models.adapt import check_model
-from llm_paged_mlx.models.deferred_rope import DeferredRoPE, defer_rope, deferring, rope_spec
+from llm_paged_mlx.models.deferred_rope import DeferredRoPE, defer_rope, deferring, rope_spec, take
 
 HEAD_DIM = 64
 ROPES = {
@@ -104,6 +104,11 @@ def test_a_rotation_no_cache_takes_is_an_error():
     with pytest.raises(RuntimeError, match="RoPE was deferred but not applied in 1 places"):
         with deferring():
             assert rope(x, offset=3) is x
+    with pytest.raises(KeyboardInterrupt):  # a step stopped mid-way leaves nothing deferred behind it
+        with deferring():
+            rope(x, offset=3)
+            raise KeyboardInterrupt
+    assert take(x) is None and not mx.array_equal(rope(x, offset=3), x)
 
 
 def rotating_write_and_attend(declines: bool, calls: list):
