@@ -478,8 +478,7 @@ def test_an_engine_on_the_gpu_leaves_rope_to_the_kernel_and_gives_the_tokens_of_
     monkeypatch.setattr(CudaKernel, "decode",
                         lambda self, *a, **k: ropes.append(k.get("rope")) or decode(self, *a, **k))  # fmt: skip
     deferred = [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
-    layers = model.model.layers if arch == "llama" else model.layers
-    assert all(isinstance(layer.self_attn.rope, DeferredRoPE) for layer in layers)
+    assert all(isinstance(layer.self_attn.rope, DeferredRoPE) for layer in model.layers)
     assert any(rope is not None for rope in ropes)
     monkeypatch.setattr(adapt_module, "defer_rope", lambda model: 0)
     separate = [o.token_ids for o in Engine(apart, num_blocks=64).generate(prompts, params)]
