@@ -6,11 +6,13 @@ import mlx.nn as nn
 import pytest
 from mlx_lm.models import llama
 from mlx_lm.models.rope_utils import DynamicNTKScalingRoPE, Llama3RoPE, SuScaledRoPE, YarnRoPE
+from faults import Fault, Injector, run_through_faults
 from models import tiny_model
 from test_engine import random_prompts, reference, run_staggered
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.kernels.portable import PortableKernel
+from llm_paged_mlx.models.paged_cache import PagedLayerCache
 from llm_paged_mlx.models.adapt import check_model
 from llm_paged_mlx.models.deferred_rope import DeferredRoPE, defer_rope, deferring, rope_spec, take
 
@@ -151,3 +153,23 @@ def test_deferred_rope_gives_mlx_lm_s_tokens(kernel, shift, monkeypatch):
     assert outputs == want
     if kernel != "rotates nothing":  # decode steps offered the rotation to the kernel
         assert any(rope is not None for rope in calls)
+
+
+@pytest.mark.parametrize("where", ["update_and_fetch", "attend"])
+def test_a_step_that_fails_with_rotations_deferred_leaves_nothing_behind(where, monkeypatch):
+    """A layer's cache raises after its RoPE deferred the rotations (before it takes the keys', or the queries'):
+    the step is undone, no rotation is left for the next, and every request gets mlx-lm's tokens and frees its
+    blocks."""
+    monkeypatch.setattr(PortableKernel, "in_place_writes", True, raising=False)
+    monkeypatch.setattr(PortableKernel, "applies_rope", True, raising=False)
+    monkeypatch.setattr(PortableKernel, "write_and_attend", rotating_write_and_attend(False, []), raising=False)
+    model = odd_model()
+    prompts = random_prompts([40, 9, 25], seed=7)
+    want = [reference(model, p, 10) for p in prompts]
+    check_model(model)
+    assert defer_rope(model) == len(model.model.layers)
+    engine = Engine(model, num_blocks=64, compile_steps=False)  # eager: every step calls the caches
+    injector = Injector(monkeypatch, PagedLayerCache, where, [3, 10, 17])
+    assert run_through_faults(engine, prompts, SamplingParams(max_tokens=10), (Fault,)) == want
+    assert injector.failures == 3
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]

@@ -452,17 +452,6 @@ def test_decode_kernel_rotates_the_queries_and_keys_it_is_given(dtype, dim, rep,
     assert not kernel.usable(dtype, *pools, 2 * rep, window, new=True, rope=check_rope(8, False))  # lanes straddle
 
 
-def test_a_kernel_that_rotates_wrongly_falls_back():
-    template = read_template()
-    line = "    pa_rope<T, VEC, ROT, TRAD>(q[h], pair, sub * VEC, position, rope);\n"
-    assert line in template
-    kernel = CudaKernel(template=template.replace(line, ""))
-    pools = [mx.zeros((2, 2, 16, 64), mx.bfloat16)] * 2
-    with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not kernel.usable(mx.bfloat16, *pools, 4, new=True, rope=check_rope(64, False))
-    assert kernel.usable(mx.bfloat16, *pools, 4, new=True)  # the other configurations stand
-
-
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_an_engine_on_the_gpu_leaves_rope_to_the_kernel_and_gives_the_tokens_of_the_model_s_rope(arch, monkeypatch):
     """Decode steps hand the kernel unrotated rows: token for token the engine's whose layers rotate them, but
@@ -520,14 +509,20 @@ def test_a_decode_step_reads_inputs_of_any_strides(view):
         np.testing.assert_array_equal(got, expected)
 
 
-def test_a_decode_kernel_that_does_not_write_the_rows_own_k_v_falls_back():
+@pytest.mark.parametrize("line,rotated", [
+    ("    PA_WRITABLE(T, v_pool)[slot_at + i] = new_v[own_v + i * new_v_strides[2]];\n", False),  # no own V written
+    ("    pa_rope<T, VEC, ROT, TRAD>(q[h], pair, sub * VEC, rope + angles);\n", True),  # queries not rotated
+], ids=["own k/v not written", "queries not rotated"])  # fmt: skip
+def test_a_decode_kernel_that_misses_a_step_falls_back(line, rotated):
     template = read_template()
-    line = "    PA_WRITABLE(T, v_pool)[slot_at + i] = new_v[own_v + i * new_v_strides[2]];\n"
     assert line in template
     kernel = CudaKernel(template=template.replace(line, ""))
     pools = [mx.zeros((2, 2, 16, 64), mx.bfloat16)] * 2
+    rope = {"rope": check_rope(64, False)} if rotated else {}
     with pytest.warns(RuntimeWarning, match="disagrees"):
-        assert not kernel.usable(mx.bfloat16, *pools, 4, new=True)
+        assert not kernel.usable(mx.bfloat16, *pools, 4, new=True, **rope)
+    if rotated:  # the other configurations stand
+        assert kernel.usable(mx.bfloat16, *pools, 4, new=True)
     assert kernel.usable(mx.bfloat16, *pools, 4)  # the other configurations stand
 
 
