@@ -3,15 +3,17 @@
     PYTHONPATH=. python3 benchmarks/decode_attention_rows.py [--rows 1 4] [--contexts 16 128 384 1024 4096]
 
 One layer of the Llama-3.1-8B shape (32 query and 8 KV heads, D=128, bf16, 16-token blocks scattered at
-random in a pool of 64K tokens). For each number of rows and context: microseconds of GPU kernel time a call
-(PyTorch's profiler, CUPTI: every kernel a call launches, summed, over ``--calls`` calls), and the wall time
-of a call within ``--calls`` calls per evaluation (launch gaps included), for
+random in a pool of at least 64K tokens). For each number of rows and context: microseconds of GPU kernel
+time a call (PyTorch's profiler, CUPTI: every kernel a call launches, summed, over ``--calls`` calls), and
+the wall time of a call within ``--calls`` calls per evaluation (launch gaps included), for
 
 - SDPA: ``mx.fast.scaled_dot_product_attention`` over a contiguous cache (mlx-lm's decode, without the copy
   of the step's K/V into its cache);
 - fused: the engine's kernel (``FusedKernel`` defaults: simd groups a threadgroup chosen for the call's
   grid), and as a decode step runs it, with each row's own K/V given and written into the pools (``new``);
 - fused with 4 simd groups a threadgroup, whatever the grid;
+- "fused, new, RoPE": as a decode step runs it with the RoPE left to it (unrotated queries and own keys, the
+  cosines and sines of the rows' angles given; Llama 3's base);
 - with ``--variants PART:WARPS ...`` (WARPS a number or ``auto``), the fused kernel with PART-token partitions
   and WARPS simd groups a threadgroup instead of the two above.
 
@@ -25,10 +27,12 @@ import time
 import mlx.core as mx
 
 from llm_paged_mlx.kernels.fused import CudaKernel
+from llm_paged_mlx.kernels.rope import RopeSpec
 
 Q_HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 16
 POOL_BLOCKS = 4096
 DTYPE = mx.bfloat16
+ROPE = RopeSpec(DIM, False, 500000.0 ** (-mx.arange(0, DIM, 2, dtype=mx.float32) / DIM))  # Llama 3's base
 VARIANTS = {"fused": (512, None), "4 warps": (512, 4)}  # name: (tokens per partition, simd groups a threadgroup)
 
 
@@ -37,9 +41,10 @@ def inputs(rows: int, context: int):
     key = mx.random.key(rows * 100003 + context)
     kq, kk, kv, kt, kn = mx.random.split(key, 5)
     queries = mx.random.normal((rows, Q_HEADS, 1, DIM), key=kq).astype(DTYPE)
-    k_pool = mx.random.normal((POOL_BLOCKS, KV_HEADS, BLOCK, DIM), key=kk).astype(DTYPE)
-    v_pool = mx.random.normal((POOL_BLOCKS, KV_HEADS, BLOCK, DIM), key=kv).astype(DTYPE)
-    tables = (mx.random.permutation(POOL_BLOCKS - 1, key=kt)[: rows * width] + 1).reshape(rows, width)
+    blocks = max(POOL_BLOCKS, rows * width + 1)  # block 0 is never given
+    k_pool = mx.random.normal((blocks, KV_HEADS, BLOCK, DIM), key=kk).astype(DTYPE)
+    v_pool = mx.random.normal((blocks, KV_HEADS, BLOCK, DIM), key=kv).astype(DTYPE)
+    tables = (mx.random.permutation(blocks - 1, key=kt)[: rows * width] + 1).reshape(rows, width)
     lens = mx.full((rows,), context, mx.int32)
     new = [mx.random.normal((rows, KV_HEADS, DIM), key=k).astype(DTYPE) for k in mx.random.split(kn, 2)]
     keys, values = (  # the rows' blocks as one contiguous cache
@@ -48,7 +53,7 @@ def inputs(rows: int, context: int):
     )
     keys, values = keys[:, :, :context], values[:, :, :context]
     arrays = dict(queries=queries, k_pool=k_pool, v_pool=v_pool, tables=tables.astype(mx.int32), lens=lens,
-                  new=new, keys=keys, values=values)  # fmt: skip
+                  new=new, keys=keys, values=values, angles=ROPE.table(lens - 1))  # fmt: skip
     mx.eval(list(arrays.values()))
     return arrays
 
@@ -61,6 +66,8 @@ def methods(a, kernels):
     first = next(iter(kernels.values()))  # the first variant as a decode step runs it
     out["fused, new"] = lambda: first.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
                                                         scale, new_rows=a["new"])  # fmt: skip
+    out["fused, new, RoPE"] = lambda: first.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
+                                                   scale, new_rows=a["new"], rope=ROPE, rope_table=a["angles"])
     return out
 
 
@@ -111,7 +118,8 @@ def main():
     for kernel in kernels.values():
         assert kernel.usable(DTYPE, pool, pool, Q_HEADS), "the fused kernel failed its self-check"
     assert next(iter(kernels.values())).usable(DTYPE, pool, pool, Q_HEADS, new=True)
-    names = ["SDPA", *variants, "fused, new"]
+    assert next(iter(kernels.values())).usable(DTYPE, pool, pool, Q_HEADS, new=True, rope=ROPE)
+    names = ["SDPA", *variants, "fused, new", "fused, new, RoPE"]
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={DIM}, bf16, {BLOCK}-token blocks; kernel time a call (us), wall time a call in brackets")
     print("| rows | context | " + " | ".join(names) + " |")

@@ -325,6 +325,16 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
         assert -(-used // 8) * 8 * count <= REGISTER_FILE, (case, used, count)
 
 
+def partition_ptx(tmp_path, new: bool, rotation) -> str:
+    """The PTX of the partition kernel, from its entry on (bf16, D=128, 4 heads a group, 16 simd groups)."""
+    source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new, rotation)
+    (tmp_path / "k.cu").write_text(source)
+    subprocess.run(["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-ptx", "k.cu", "-o", "k.ptx"], cwd=tmp_path,
+                   check=True, capture_output=True)  # fmt: skip
+    ptx = (tmp_path / "k.ptx").read_text()
+    return ptx[re.search(r"\.entry \w*paged_attention_partition", ptx).start() :]
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
 @pytest.mark.parametrize("new,rotation", [(True, None), (False, None), (True, (128, False))],
                          ids=["new", "pooled", "rope"])  # fmt: skip
@@ -334,18 +344,24 @@ def test_a_simd_group_issues_its_key_loads_together(tmp_path, new, rotation):
     the PTX, with no use of a loaded value (a shuffle of its dot product) between them, so that a simd group
     waits on memory once for them, not once each; and with no branch (around the row's own token, ptxas
     would load from both sources)."""
-    source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new, rotation)
-    (tmp_path / "k.cu").write_text(source)
-    subprocess.run(["nvcc", "-arch=sm_90", "-diag-suppress", "177", "-ptx", "k.cu", "-o", "k.ptx"], cwd=tmp_path,
-                   check=True, capture_output=True)  # fmt: skip
-    ptx = (tmp_path / "k.ptx").read_text()
-    partition = ptx[re.search(r"\.entry \w*paged_attention_partition", ptx).start() :]
+    partition = partition_ptx(tmp_path, new, rotation)
     barrier = re.search(r"\b(bar|barrier)\.sync", partition).start()  # the block ids read: the K loop follows
     after_barrier = partition[barrier:]
     first_load = after_barrier.index("ld.global.v4")
     until_used = after_barrier[first_load : after_barrier.index("shfl.sync")]
     assert until_used.count("ld.global.v4") >= 4, until_used
     assert "bra" not in until_used, until_used
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_rotating_kernel_reads_its_own_k_v_back_only_after_a_barrier(tmp_path):
+    """With RoPE, each threadgroup writes the row's own K (rotated) and V into the pools and its loops read
+    them back from there: between its last write to the pools and its first K load there is a barrier
+    (without one, a simd group could read the slot before another has written it)."""
+    partition = partition_ptx(tmp_path, True, (128, False))
+    first_load = partition.index("ld.global.v4")
+    last_write = partition.rindex("st.global", 0, first_load)
+    assert re.search(r"\b(bar|barrier)\.sync", partition[last_write:first_load])
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")

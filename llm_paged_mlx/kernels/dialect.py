@@ -93,6 +93,7 @@ CUDA = Dialect(
     header="""\
 #define PA_SHARED __shared__
 #define PA_BARRIER() __syncthreads()
+#define PA_DEVICE_BARRIER() __syncthreads()  // and the threadgroup's writes to device memory
 #define PA_SHUFFLE_XOR(x, m) __shfl_xor_sync(0xffffffffu, (x), (m))
 #define PA_EXP(x) expf(x)
 #define PA_MAX(a, b) fmaxf((a), (b))
@@ -285,6 +286,7 @@ METAL = Dialect(
     header="""\
 #define PA_SHARED threadgroup
 #define PA_BARRIER() threadgroup_barrier(mem_flags::mem_threadgroup)
+#define PA_DEVICE_BARRIER() threadgroup_barrier(mem_flags::mem_device | mem_flags::mem_threadgroup)
 #define PA_SHUFFLE_XOR(x, m) simd_shuffle_xor((x), ushort(m))
 #define PA_EXP(x) metal::exp(x)
 #define PA_MAX(a, b) metal::max((a), (b))
