@@ -345,7 +345,7 @@ def test_a_simd_group_issues_its_key_loads_together(tmp_path, new, rotation):
     waits on memory once for them, not once each; and with no branch (around the row's own token, ptxas
     would load from both sources)."""
     partition = partition_ptx(tmp_path, new, rotation)
-    barrier = re.search(r"\b(bar|barrier)\.sync", partition).start()  # the block ids read: the K loop follows
+    barrier = re.search(r"\b(bar|barrier)\.sync", partition).start()  # the block ids read (then the K loop)
     after_barrier = partition[barrier:]
     first_load = after_barrier.index("ld.global.v4")
     until_used = after_barrier[first_load : after_barrier.index("shfl.sync")]

@@ -439,6 +439,7 @@ def test_decode_kernel_reads_and_writes_the_rows_own_k_v(dtype, dim, block_size,
 @pytest.mark.parametrize("dtype,dim,rep,window,rotation", [
     (mx.bfloat16, 128, 4, None, (128, False)), (mx.float32, 64, 1, None, (64, True)),
     (mx.float16, 128, 8, None, (64, False)), (mx.bfloat16, 64, 2, 100, (32, True)),
+    (mx.bfloat16, 128, 16, None, (128, False)),  # two head groups: each writes the own K/V it reads back
 ])  # fmt: skip
 def test_decode_kernel_rotates_the_queries_and_keys_it_is_given(dtype, dim, rep, window, rotation):
     """RoPE in the kernel: unrotated queries and own keys, rotated as ``RopeSpec.rotate`` rotates them (whole
