@@ -15,7 +15,10 @@ the wall time of a call within ``--calls`` calls per evaluation (launch gaps inc
 - "fused, new, RoPE": as a decode step runs it with the RoPE left to it (unrotated queries and own keys, the
   cosines and sines of the rows' angles given; Llama 3's base);
 - with ``--variants PART:WARPS ...`` (WARPS a number or ``auto``), the fused kernel with PART-token partitions
-  and WARPS simd groups a threadgroup instead of the two above.
+  and WARPS simd groups a threadgroup instead of the two above;
+- with ``--baseline FILE ...``, the fused kernel of each other template (a copy of ``csrc/paged_attention.in``
+  as it was, say), alone and as a decode step with RoPE runs it: a change to the kernel timed against the
+  source before it in one process, in turn, as the machine's spread asks.
 
 ``--ncu CONTEXT`` instead runs the default kernel 20 times at that context and one row, for Nsight Compute.
 """
@@ -23,6 +26,7 @@ the wall time of a call within ``--calls`` calls per evaluation (launch gaps inc
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import mlx.core as mx
 
@@ -58,16 +62,21 @@ def inputs(rows: int, context: int):
     return arrays
 
 
-def methods(a, kernels):
+def methods(a, kernels, baselines):
     scale = DIM**-0.5
     out = {"SDPA": lambda: mx.fast.scaled_dot_product_attention(a["queries"], a["keys"], a["values"], scale=scale)}
+
+    def decode(kernel, **step):
+        return lambda: kernel.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"], scale, **step)
+
     for name, kernel in kernels.items():
-        out[name] = lambda k=kernel: k.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"], scale)
+        out[name] = decode(kernel)
     first = next(iter(kernels.values()))  # the first variant as a decode step runs it
-    out["fused, new"] = lambda: first.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
-                                                        scale, new_rows=a["new"])  # fmt: skip
-    out["fused, new, RoPE"] = lambda: first.decode(a["queries"], a["k_pool"], a["v_pool"], a["tables"], a["lens"],
-                                                   scale, new_rows=a["new"], rope=ROPE, rope_table=a["angles"])
+    out["fused, new"] = decode(first, new_rows=a["new"])
+    out["fused, new, RoPE"] = decode(first, new_rows=a["new"], rope=ROPE, rope_table=a["angles"])
+    for name, kernel in baselines.items():
+        out[name] = decode(kernel)
+        out[f"{name}, new, RoPE"] = decode(kernel, new_rows=a["new"], rope=ROPE, rope_table=a["angles"])
     return out
 
 
@@ -101,6 +110,7 @@ def main():
     parser.add_argument("--calls", type=int, default=32)
     parser.add_argument("--ncu", type=int, metavar="CONTEXT")
     parser.add_argument("--variants", nargs="+", metavar="PART:WARPS", help="fused kernels to time")
+    parser.add_argument("--baseline", nargs="+", default=[], metavar="FILE", help="templates to time beside")
     args = parser.parse_args()
     variants = dict(VARIANTS)
     if args.variants:
@@ -109,17 +119,22 @@ def main():
             part, warps = v.split(":")
             variants[v] = (int(part), None if warps == "auto" else int(warps))
     kernels = {name: CudaKernel(partition_size=part, warps=warps) for name, (part, warps) in variants.items()}
+    baselines = {Path(f).stem: CudaKernel(template=Path(f).read_text()) for f in args.baseline}
+    if len(baselines) < len(args.baseline):
+        parser.error("--baseline: two files of one name (the name heads their columns)")
     if args.ncu:
         a = inputs(1, args.ncu)
         for _ in range(20):
-            mx.eval(methods(a, kernels)[next(iter(kernels))]())
+            mx.eval(methods(a, kernels, {})[next(iter(kernels))]())
         return
     pool = mx.zeros((1, KV_HEADS, BLOCK, DIM), DTYPE)  # the self-checks, before any timing
     for kernel in kernels.values():
         assert kernel.usable(DTYPE, pool, pool, Q_HEADS), "the fused kernel failed its self-check"
-    assert next(iter(kernels.values())).usable(DTYPE, pool, pool, Q_HEADS, new=True)
-    assert next(iter(kernels.values())).usable(DTYPE, pool, pool, Q_HEADS, new=True, rope=ROPE)
+    for kernel in [next(iter(kernels.values())), *baselines.values()]:
+        assert kernel.usable(DTYPE, pool, pool, Q_HEADS, new=True)
+        assert kernel.usable(DTYPE, pool, pool, Q_HEADS, new=True, rope=ROPE)
     names = ["SDPA", *variants, "fused, new", "fused, new, RoPE"]
+    names += [n for name in baselines for n in (name, f"{name}, new, RoPE")]
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, {Q_HEADS}/{KV_HEADS} heads, "
           f"D={DIM}, bf16, {BLOCK}-token blocks; kernel time a call (us), wall time a call in brackets")
     print("| rows | context | " + " | ".join(names) + " |")
@@ -127,9 +142,9 @@ def main():
     for rows in args.rows:
         for context in args.contexts:
             a = inputs(rows, context)
-            fns = methods(a, kernels)
+            fns = methods(a, kernels, baselines)
             ref = fns["SDPA"]().astype(mx.float32)
-            for name in variants:  # every variant gives SDPA's output
+            for name in [*variants, *baselines]:  # every variant gives SDPA's output
                 error = (mx.abs(fns[name]().astype(mx.float32) - ref).max() / mx.abs(ref).max()).item()
                 assert error < 2e-2, (name, rows, context, error)
             cells = [f"{kernel_us(fns[n], args.calls):.1f} ({wall_us(fns[n], args.calls):.1f})" for n in names]

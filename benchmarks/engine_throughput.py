@@ -28,10 +28,13 @@ took to build and each system's warm-up run took (kernels compiled at first use,
 ``--eager`` adds a column per kernel with compiled steps turned off. ``--timeline`` runs each engine once more
 step by step and prints where that run's time went. ``--apart`` runs BatchGenerator's warm-up and rounds first
 and builds the engines after it (no alternation): for a card whose memory does not hold both systems' K/V at
-once (256 requests at 8B in bf16 on an 80 GB H100).
+once (256 requests at 8B in bf16 on an 80 GB H100). ``--freeze-heap`` times the rounds with the heap the process
+holds after the warm-ups out of Python's full garbage collections (``gc.freeze()``), as ``llm paged-mlx serve``
+runs: both systems' rounds alike.
 """
 
 import argparse
+import contextlib
 import gc
 import random
 import statistics
@@ -193,6 +196,7 @@ def main(argv=None):
                         help="then one more run of each engine step by step: its prompts' phase, its steady steps")
     parser.add_argument("--apart", action="store_true",
                         help="BatchGenerator's runs first, then the engines' (a card too small for both at once)")
+    parser.add_argument("--freeze-heap", action="store_true", help="time the rounds as the server runs: gc.freeze()")
     args = parser.parse_args(argv)
     dtype = mx.float32 if args.small else mx.bfloat16
     module, config, small = MODELS[args.model]
@@ -224,6 +228,20 @@ def main(argv=None):
         mx.clear_cache()
 
 
+@contextlib.contextmanager
+def frozen_heap(freeze: bool):
+    """With ``freeze``, what the process holds now out of Python's full collections meanwhile, as the server keeps
+    its heap."""
+    if freeze:
+        gc.collect()
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if freeze:
+            gc.unfreeze()
+
+
 def compare(n, prompts, model, baseline, columns, args):
     """One row of the table: BatchGenerator and each engine on ``prompts``, a warm-up run each (compiling
     kernels, plans and step traces for the workload's shapes), then ``--rounds`` runs in alternation, so drift
@@ -240,9 +258,10 @@ def compare(n, prompts, model, baseline, columns, args):
     def timed(systems):
         for name in systems:
             tps[name] = []
-        for _ in range(args.rounds):
-            for name, run in systems.items():
-                tps[name].append(run())
+        with frozen_heap(args.freeze_heap):
+            for _ in range(args.rounds):
+                for name, run in systems.items():
+                    tps[name].append(run())
 
     systems = {"BatchGen": lambda: batch_generator_tps(baseline, prompts, args.new_tokens)}
     if args.apart:

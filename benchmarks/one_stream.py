@@ -14,7 +14,9 @@ times the median. ``--kernel-warps N`` also times, in the same alternation, a se
 model whose CUDA attention kernel keeps N simd groups a threadgroup whatever the step: a change
 of a few percent shows within one process, where the spread between processes hides it. ``--rope-apart``
 likewise times an engine over a second copy of the model whose decode steps rotate with the model's own RoPE
-modules, not in the attention kernel (``models.deferred_rope``).
+modules, not in the attention kernel (``models.deferred_rope``). ``--kernel-template FILE`` likewise times an
+engine whose CUDA attention kernel is compiled from another template (a copy of ``csrc/paged_attention.in`` as it
+was, say): a change to the kernel against the source before it, end to end.
 """
 
 import argparse
@@ -79,16 +81,16 @@ def timeline(name: str, times: list[float]) -> str:
             f"median {1000 * lost:.1f} ms of {1000 * times[-1]:.1f}")
 
 
-def held_kernel(warps: int) -> str:
-    """The name of the CUDA kernel held at ``warps`` simd groups a threadgroup, registered as a plugin would."""
+def registered_kernel(name: str, **options) -> str:
+    """``name``, registered as a plugin would register it: the CUDA kernel built with ``options``."""
 
-    class HeldWarps:
+    class Kernel:
         @hookimpl
         def register_attention_kernels(self, register):
-            register(f"cuda, {warps} simd groups", lambda: CudaKernel(warps=warps))
+            register(name, lambda: CudaKernel(**options))
 
-    plugins.get_plugin_manager().register(HeldWarps())
-    return f"cuda, {warps} simd groups"
+    plugins.get_plugin_manager().register(Kernel())
+    return name
 
 
 def rope_apart(model) -> None:
@@ -109,9 +111,16 @@ def main():
     second = parser.add_mutually_exclusive_group()
     second.add_argument("--kernel-warps", type=int, metavar="N", help="also an engine whose kernel keeps N simd groups")
     second.add_argument("--rope-apart", action="store_true", help="also an engine whose model rotates with its RoPE")
+    second.add_argument("--kernel-template", metavar="FILE", help="also an engine whose kernel comes from FILE")
     args = parser.parse_args()
     held = f"engine, {args.kernel_warps} simd groups" if args.kernel_warps else None
     held = "engine, RoPE apart" if args.rope_apart else held
+    held = f"engine, {Path(args.kernel_template).stem}" if args.kernel_template else held
+    kernel = None  # the second engine's attention kernel, where it has one of its own
+    if args.kernel_warps:
+        kernel = registered_kernel(f"cuda ({held})", warps=args.kernel_warps)
+    elif args.kernel_template:
+        kernel = registered_kernel(f"cuda ({held})", template=Path(args.kernel_template).read_text())
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, a new prompt of 64-128 "
           f"tokens a round, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
     extra = f" {held} | its ratio |" if held else ""
@@ -124,8 +133,7 @@ def main():
             baseline, _ = load(name, bits)  # mlx-lm's own: an engine on a GPU merges its model's projections
             prompts = prompts_for(args.rounds + 1, vocab, 1, 64, 128)  # a new one each round: no prefix cache hit
             engines = {"engine": Engine(model, kv_budget_bytes=4 * 2**30)}
-            if args.kernel_warps:
-                kernel = held_kernel(args.kernel_warps)
+            if kernel:
                 engines[held] = Engine(model, kv_budget_bytes=4 * 2**30, attention_kernel=kernel)
             elif args.rope_apart:
                 engines[held] = Engine(load(name, bits)[0], kv_budget_bytes=4 * 2**30)

@@ -253,7 +253,16 @@ def _follow(model_id: str, options, group) -> None:
     """A rank other than 0: check what rank 0 checks, then ``ranks.replay`` its engine calls."""
     _, _, fetch, _ = _find_model(model_id)
     _parse_options(dict(options))  # the same errors as rank 0's, before rank 0 asks for an engine
-    ranks.replay(engine_builder(model_id, fetch, group), group)
+    build = engine_builder(model_id, fetch, group)
+
+    def build_for_good(*args):  # this process keeps the engine until it ends, as rank 0's server does
+        from .server import freeze_heap
+
+        engine = build(*args)
+        freeze_heap()
+        return engine
+
+    ranks.replay(build_for_good, group)
 
 
 def _find_model(name: str):

@@ -69,13 +69,13 @@ def test_template_code_has_no_language_specific_words(name):
 def test_dialects_define_the_names_templates_use():
     def names(dialect):  # beside these, each dialect has helpers of its own (pa_pair, PA_MMA8, ...)
         text = dialect.header + dialect.tiles + dialect.prelude
-        return set(re.findall(r"#define (PA_\w+)", text)) | set(re.findall(r"\b(pa_\w+)\b", text)) | {"PA_TILE"}
+        return set(re.findall(r"#define (PA_\w+)", text)) | set(re.findall(r"\b(pa_\w+|Pa[A-Z]\w*)\b", text)) | {"PA_TILE"}
 
     header = kernel_sources(read_template(), CUDA, 4, 64)["partition"].header
     variant = set(re.findall(r"#define (PA_\w+)", header)) - names(CUDA)
     assert variant == {"PA_BITS", "PA_GROUP", "PA_NEW", "PA_ROPE"}
     for name in (TEMPLATE, LATENT_TEMPLATE, WRITE_TEMPLATE):
-        used = set(re.findall(r"\b(PA_\w+|pa_\w+)\b", "".join(split_kernels(read_template(name)).values())))
+        used = set(re.findall(r"\b(PA_\w+|pa_\w+|Pa[A-Z]\w*)\b", "".join(split_kernels(read_template(name)).values())))
         assert used <= (names(CUDA) & names(METAL)) | variant
     assert set(DIALECTS) == {"cuda", "metal"}
 
@@ -325,6 +325,24 @@ def test_the_most_simd_groups_chosen_fit_an_sm_s_registers(tmp_path):
         assert -(-used // 8) * 8 * count <= REGISTER_FILE, (case, used, count)
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_a_lane_stages_a_whole_block_only_for_few_heads_a_group(tmp_path):
+    """A lane keeps a whole block's K loads (eight 16-byte steps, bf16, D=128) only where it serves at most 4
+    query heads: at 5 to 8 heads a group the decode step's variant (RoPE in the kernel) stays within 128
+    registers a thread, so that two threadgroups of 8 simd groups still share an SM."""
+    kernel = CudaKernel()
+    sources = []
+    for hpg in (5, 8):
+        warps = max(kernel.warp_choices(hpg))
+        slots = kernel._slots(warps, hpg, 128, 16)
+        sources.append(fused_cuda_source(None, None, mx.bfloat16, 128, 16, hpg, hpg, False, 0, False, False, warps,
+                                         slots, True, (128, False)))  # fmt: skip
+    outputs = compile_with_nvcc(tmp_path, sources, "-diag-suppress", "177", "-Xptxas", "-v")
+    for output in outputs:
+        used = int(re.search(r"Function properties for \w*partition\w*\n.*?Used (\d+) registers", output, re.S)[1])
+        assert used <= 128, used
+
+
 def partition_ptx(tmp_path, new: bool, rotation) -> str:
     """The PTX of the partition kernel, from its entry on (bf16, D=128, 4 heads a group, 16 simd groups)."""
     source = fused_cuda_source(None, None, mx.bfloat16, 128, 16, 4, 4, True, 0, False, False, 16, 16, new, rotation)
@@ -340,16 +358,16 @@ def partition_ptx(tmp_path, new: bool, rotation) -> str:
                          ids=["new", "pooled", "rope"])  # fmt: skip
 def test_a_simd_group_issues_its_key_loads_together(tmp_path, new, rotation):
     """In a decode step's variant (the row's own K/V given) and in the one that reads the pools alone, the
-    partition kernel's first K loads of a block (bf16, D=128: four 16-byte loads) come one after another in
-    the PTX, with no use of a loaded value (a shuffle of its dot product) between them, so that a simd group
-    waits on memory once for them, not once each; and with no branch (around the row's own token, ptxas
-    would load from both sources)."""
+    partition kernel's K loads of a block (bf16, D=128: a lane's eight 16-byte loads, one a token step) come
+    one after another in the PTX, with no use of a loaded value (a shuffle of its dot product) between them,
+    so that a simd group waits on memory once for them, not once each; and with no branch (around the row's
+    own token, ptxas would load from both sources)."""
     partition = partition_ptx(tmp_path, new, rotation)
     barrier = re.search(r"\b(bar|barrier)\.sync", partition).start()  # the block ids read (then the K loop)
     after_barrier = partition[barrier:]
     first_load = after_barrier.index("ld.global.v4")
     until_used = after_barrier[first_load : after_barrier.index("shfl.sync")]
-    assert until_used.count("ld.global.v4") >= 4, until_used
+    assert until_used.count("ld.global.v4") >= 8, until_used
     assert "bra" not in until_used, until_used
 
 

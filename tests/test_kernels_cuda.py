@@ -274,7 +274,7 @@ def test_self_check_passes_for_quantized_pools(bits, group_size):
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert kernel.usable(dtype, pool, pool, 32)
-        key = (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size, None, False, False, False)
+        key = (str(mx.default_device()), dtype, 128, 16, 4, bits, group_size, None, False, False, False, None)
         assert key in kernel._checked
 
 

@@ -765,6 +765,65 @@ def test_after_its_exit_signal_run_leaves_the_exit_to_a_second_signal_and_to_sta
     loop.stop()
 
 
+def test_the_server_freezes_the_heap_it_starts_with_while_it_serves(monkeypatch):
+    """What exists when ``run`` starts (the model, the engine) is out of the collector's full collections while
+    the server runs, and back in them once it has returned."""
+    import gc
+
+    import llm_paged_mlx.server as server
+
+    frozen = []
+    monkeypatch.setattr(server._Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    loop = EngineLoop(tiny_engine)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(ServedModel("tiny", loop), "127.0.0.1", free_port())
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        loop.stop()
+    assert frozen[0] > 1000
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_heap_frozen_before_the_server_stays_frozen_after_it(monkeypatch):
+    """``run`` undoes only its own freeze: a heap its caller froze is left frozen."""
+    import gc
+
+    import llm_paged_mlx.server as server
+
+    monkeypatch.setattr(server._Server, "run", lambda self: None)
+    loop = EngineLoop(tiny_engine)
+    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
+    gc.freeze()
+    try:
+        server.run(ServedModel("tiny", loop), "127.0.0.1", free_port())
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+        loop.stop()
+
+
+def test_a_tensor_parallel_follower_freezes_its_heap_once_its_engine_is_built(monkeypatch):
+    """A rank that follows rank 0's server keeps its engine until it ends, and freezes as the server does."""
+    import gc
+
+    from llm_paged_mlx import cli
+
+    frozen = []
+    monkeypatch.setattr(cli, "_find_model", lambda name: (name, None, None, ()))
+    build = lambda: frozen.append(gc.get_freeze_count())  # noqa: E731
+    monkeypatch.setattr(cli, "engine_builder", lambda model_id, fetch, group: build)
+    monkeypatch.setattr(cli.ranks, "replay", lambda build, group: build())
+    try:
+        cli._follow("tiny", {}, group=None)
+        assert frozen == [0] and gc.get_freeze_count() > 1000
+    finally:
+        gc.unfreeze()
+
+
 def test_an_exit_signal_that_lands_inside_submit_does_not_deadlock():
     run = subprocess.run([sys.executable, "-c", SIGNAL_INSIDE_SUBMIT], capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr

@@ -2,10 +2,10 @@
 
 The template holds the algorithm once, in C++ that both languages accept. A
 dialect adds two things around it: a header of ``PA_*`` macros and helpers
-(``pa_load``, ``pa_store``), and a prelude at the top of each kernel body that
-names the thread and threadgroup indices ``pa_tid`` and ``pa_group_{x,y,z}``
-(Metal only passes the index attributes that a body mentions, so they must
-appear in the body itself).
+(``pa_load``, ``PaRaw`` with ``pa_load_raw`` and ``pa_unpack``, ``pa_store``),
+and a prelude at the top of each kernel body that names the thread and
+threadgroup indices ``pa_tid`` and ``pa_group_{x,y,z}`` (Metal only passes the
+index attributes that a body mentions, so they must appear in the body itself).
 """
 
 import re
@@ -103,19 +103,34 @@ CUDA = Dialect(
 #define PA_WRITABLE(T, p) const_cast<T*>(p)
 typedef long long pa_index_t;
 
+// N elements as loaded (16-byte aligned, in 16-byte loads), kept in registers until pa_unpack converts them.
+template <int N, typename U>
+struct PaRaw {
+  static_assert(N * sizeof(U) % 16 == 0, "PaRaw: whole 16-byte loads");
+  uint4 r[N * sizeof(U) / 16];
+};
+template <int N, typename U>
+__device__ __forceinline__ void pa_load_raw(PaRaw<N, U>& dst, const U* src) {
+  _Pragma("unroll")
+  for (int i = 0; i < N * (int)sizeof(U) / 16; ++i) {
+    dst.r[i] = reinterpret_cast<const uint4*>(src)[i];
+  }
+}
+template <int N, typename U>
+__device__ __forceinline__ void pa_unpack(float* dst, const PaRaw<N, U>& src) {
+  const U* e = reinterpret_cast<const U*>(src.r);
+  _Pragma("unroll")
+  for (int i = 0; i < N; ++i) {
+    dst[i] = static_cast<float>(e[i]);
+  }
+}
+
 // N elements starting at src (16-byte aligned) as floats, in 16-byte loads.
 template <int N, typename U>
 __device__ __forceinline__ void pa_load(float* dst, const U* src) {
-  constexpr int per = 16 / sizeof(U);
-  _Pragma("unroll")
-  for (int i = 0; i < N; i += per) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(src + i);
-    const U* e = reinterpret_cast<const U*>(&raw);
-    _Pragma("unroll")
-    for (int j = 0; j < per; ++j) {
-      dst[i + j] = static_cast<float>(e[j]);
-    }
-  }
+  PaRaw<N, U> raw;
+  pa_load_raw(raw, src);
+  pa_unpack(dst, raw);
 }
 
 // Whether pa_load can read from p.
@@ -301,6 +316,24 @@ template <int N, typename U>
 inline void pa_load(thread float* dst, const device U* src) {
   for (int i = 0; i < N; ++i) {
     dst[i] = static_cast<float>(src[i]);
+  }
+}
+
+// N elements as loaded, kept until pa_unpack converts them.
+template <int N, typename U>
+struct PaRaw {
+  U v[N];
+};
+template <int N, typename U>
+inline void pa_load_raw(thread PaRaw<N, U>& dst, const device U* src) {
+  for (int i = 0; i < N; ++i) {
+    dst.v[i] = src[i];
+  }
+}
+template <int N, typename U>
+inline void pa_unpack(thread float* dst, const thread PaRaw<N, U>& src) {
+  for (int i = 0; i < N; ++i) {
+    dst[i] = static_cast<float>(src.v[i]);
   }
 }
 
