@@ -231,14 +231,16 @@ def main(argv=None):
 @contextlib.contextmanager
 def frozen_heap(freeze: bool):
     """With ``freeze``, what the process holds now out of Python's full collections meanwhile, as the server keeps
-    its heap."""
+    its heap (``server.freeze_heap``)."""
+    frozen = False
     if freeze:
-        gc.collect()
-        gc.freeze()
+        from llm_paged_mlx.server import freeze_heap  # the server's packages: only where asked
+
+        frozen = freeze_heap()
     try:
         yield
     finally:
-        if freeze:
+        if frozen:
             gc.unfreeze()
 
 
