@@ -5,6 +5,7 @@ The model is SmolLM2 (tests/smollm2.py); texts are compared with mlx-lm's greedy
 
 import asyncio
 import contextlib
+import gc
 import json
 import os
 import re
@@ -765,15 +766,8 @@ def test_after_its_exit_signal_run_leaves_the_exit_to_a_second_signal_and_to_sta
     loop.stop()
 
 
-def test_the_server_freezes_the_heap_it_starts_with_while_it_serves(monkeypatch):
-    """What exists when ``run`` starts (the model, the engine) is out of the collector's full collections while
-    the server runs, and back in them once it has returned."""
-    import gc
-
-    import llm_paged_mlx.server as server
-
-    frozen = []
-    monkeypatch.setattr(server._Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+def run_tiny_server(server) -> None:
+    """``server.run`` over a tiny engine's loop (the caller patches ``_Server.run``), its signal handlers put back."""
     loop = EngineLoop(tiny_engine)
     before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -782,34 +776,35 @@ def test_the_server_freezes_the_heap_it_starts_with_while_it_serves(monkeypatch)
         for signum, handler in before.items():
             signal.signal(signum, handler)
         loop.stop()
+
+
+def test_the_server_freezes_the_heap_it_starts_with_while_it_serves(monkeypatch):
+    """What exists when ``run`` starts (the model, the engine) is out of the collector's full collections while
+    the server runs, and back in them once it has returned."""
+    import llm_paged_mlx.server as server
+
+    frozen = []
+    monkeypatch.setattr(server._Server, "run", lambda self: frozen.append(gc.get_freeze_count()))
+    run_tiny_server(server)
     assert frozen[0] > 1000
     assert gc.get_freeze_count() == 0
 
 
 def test_a_heap_frozen_before_the_server_stays_frozen_after_it(monkeypatch):
     """``run`` undoes only its own freeze: a heap its caller froze is left frozen."""
-    import gc
-
     import llm_paged_mlx.server as server
 
     monkeypatch.setattr(server._Server, "run", lambda self: None)
-    loop = EngineLoop(tiny_engine)
-    before = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     gc.freeze()
     try:
-        server.run(ServedModel("tiny", loop), "127.0.0.1", free_port())
+        run_tiny_server(server)
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
-        for signum, handler in before.items():
-            signal.signal(signum, handler)
-        loop.stop()
 
 
 def test_a_tensor_parallel_follower_freezes_its_heap_once_its_engine_is_built(monkeypatch):
     """A rank that follows rank 0's server keeps its engine until it ends, and freezes as the server does."""
-    import gc
-
     from llm_paged_mlx import cli
 
     frozen = []
