@@ -74,8 +74,14 @@ class PartTimer:
         return {part: 1000 * statistics.median(s.get(part, 0.0) for s in steps) for part in PARTS + ("step",)}
 
 
+def batch_engine(model, rows: int) -> Engine:
+    """An engine for ``rows`` requests of this benchmark's prompts (up to 128 tokens, then the steps)."""
+    pool = max(4 * 2**30, rows * 32 * 2**20)  # 8B: 128 KiB of K/V a token, a request's few hundred tokens
+    return Engine(model, kv_budget_bytes=pool, max_num_seqs=max(64, rows), enable_prefix_caching=False)
+
+
 def engine_profile(model, prompts, steps: int) -> dict[str, float]:
-    engine = Engine(model, kv_budget_bytes=4 * 2**30, max_num_seqs=max(64, len(prompts)), enable_prefix_caching=False)
+    engine = batch_engine(model, len(prompts))
     timer = PartTimer()
     timer.wrap(engine.scheduler, "schedule", "schedule")
     timer.wrap(engine.runner, "forward", "forward")
@@ -181,7 +187,7 @@ def main():
             mlx_lm_profile(model, prompt, args.steps, profiler)
             show()
             profiler, show = kernel_table(args.steps)
-            engine = Engine(model, kv_budget_bytes=4 * 2**30, max_num_seqs=64, enable_prefix_caching=False)
+            engine = batch_engine(model, args.kernel_profile)
             prompts = prompts_for(args.kernel_profile, vocab, args.kernel_profile, 64, 128)
             engine_step(engine, prompts, args.steps)  # warm-up
             engine_step(engine, prompts, args.steps, profiler)

@@ -17,7 +17,6 @@ from test_kernels import make_case, make_plan, reference, rel_error
 
 from llm_paged_mlx import Engine, SamplingParams
 from llm_paged_mlx.engine.step import StepPipeline
-from llm_paged_mlx.engine import engine as engine_module
 from llm_paged_mlx.engine.runner import ModelRunner
 from llm_paged_mlx.kernels import quantized_matvec, select_kernel
 from llm_paged_mlx.kernels.dialect import CUDA, WRITE_TEMPLATE, read_template
@@ -616,7 +615,7 @@ def test_an_engine_on_the_gpu_merges_projections_and_gives_the_tokens_of_unmerge
     params = [SamplingParams(max_tokens=30 + 3 * i) for i in range(len(prompts))]
     merged = [o.token_ids for o in Engine(model, num_blocks=64).generate(prompts, params)]
     assert type(model.layers[0].self_attn.q_proj) is MergedPart and type(model.layers[0].mlp.up_proj) is MergedPart
-    monkeypatch.setattr(engine_module, "merge_projections", lambda model: 0)
+    monkeypatch.setattr(adapt_module, "merge_projections", lambda model: 0)
     separate = [o.token_ids for o in Engine(unmerged, num_blocks=64).generate(prompts, params)]
     assert type(unmerged.layers[0].self_attn.q_proj) is not MergedPart
     assert all(got[:20] == want[:20] for got, want in zip(merged, separate))
