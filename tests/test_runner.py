@@ -10,7 +10,8 @@ from test_engine import collect, random_prompts, reference, run_staggered
 from llm_paged_mlx import Engine, SamplingParams
 import llm_paged_mlx.engine.runner as runner_module
 from llm_paged_mlx.engine.request import Request
-from llm_paged_mlx.engine.runner import ModelRunner, padded_size
+from llm_paged_mlx.engine.block_manager import SequenceBlocks, WindowedBlocks
+from llm_paged_mlx.engine.runner import ModelRunner, padded_size, table_rows
 from llm_paged_mlx.engine.scheduler import ScheduledChunk
 from llm_paged_mlx.kernels.fused import CudaKernel
 from llm_paged_mlx.kernels.portable import PortableKernel
@@ -26,6 +27,18 @@ def test_padded_size_rounds_up_by_at_most_a_quarter():
         assert n <= padded_size(n) <= n * 1.25
     # few shapes: four per power of two
     assert len({padded_size(n) for n in range(1025, 2049)}) == 4
+
+
+def test_table_rows_pad_with_the_null_block_and_show_a_window_s_live_blocks_only():
+    plain, empty = SequenceBlocks(table=[7, 3, 9]), SequenceBlocks()
+    # A window whose first two entries it passed (nulls), and one that still holds a passed prefix block.
+    passed = WindowedBlocks(table=[0, 0, 5, 6], live_from=2, window=32)
+    holds = WindowedBlocks(table=[4, 8, 2], live_from=1, window=32)
+    rows = table_rows([plain, empty, passed, holds], width=5)
+    assert rows.dtype == np.int32
+    assert rows.tolist() == [[7, 3, 9, 0, 0], [0] * 5, [0, 0, 5, 6, 0], [0, 8, 2, 0, 0]]
+    with pytest.raises(ValueError):  # a table longer than the rows: an error, not a table cut short
+        table_rows([SequenceBlocks(table=[1, 2, 3])], width=2)
 
 
 def count_paths(monkeypatch):

@@ -85,9 +85,10 @@ class KVCoordinator:
             if seq.passed(start, self.block_size) > seq.live_from and seq.num_cached < start // self.block_size:
                 manager.cache_full_blocks(seq, tokens(), start)
             manager.release_passed(seq, start)
-        if self.blocks_needed(tables, start, count) > manager.num_free_blocks:
-            return None
-        return [manager.append_slots(seq, start, count) for seq in tables]
+        if len(tables) > 1 and self.blocks_needed(tables, start, count) > manager.num_free_blocks:
+            return None  # checked first, so that every table gets its blocks or none does
+        slots = [manager.append_slots(seq, start, count) for seq in tables]
+        return None if slots[0] is None else slots  # one table: its own check left it unchanged
 
     def cached_prefix(self, tables: Tables, token_ids) -> list[list[int]]:
         """Each table's cached blocks of the longest prefix of ``token_ids`` that every table has cached (null

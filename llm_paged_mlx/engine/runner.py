@@ -37,6 +37,7 @@ from ..models.state_cache import honours_lengths
 from .config import EngineConfig
 from .kv_groups import KVGroups, kv_groups
 from .kv_pools import KVPools
+from .block_manager import SequenceBlocks
 from .scheduler import ScheduledChunk
 
 # Each traced shape keeps its graph (about 3 MB for a 28-layer model): past this many
@@ -55,6 +56,17 @@ def padded_size(n: int) -> int:
     """``n`` rounded up to one of four sizes per power of two (exact up to 7): at most 25% more."""
     step = 1 << max(0, n.bit_length() - 3)
     return -(-n // step) * step
+
+
+def table_rows(seqs: list[SequenceBlocks], width: int) -> np.ndarray:
+    """The sequences' block tables as rows of ``width`` entries, null past each table's end and before its
+    ``live_from`` (a windowed table shows its window's blocks only)."""
+    columns = np.arange(width)
+    live_from = np.array([seq.live_from for seq in seqs])[:, None]
+    ends = np.array([len(seq.table) for seq in seqs])[:, None]
+    out = np.zeros((len(seqs), width), dtype=np.int32)
+    out[(columns >= live_from) & (columns < ends)] = [b for seq in seqs for b in seq.table[seq.live_from :]]
+    return out
 
 
 class ModelRunner:
@@ -212,25 +224,22 @@ class ModelRunner:
 
     def _forward_rows(self, chunks, input_tokens, in_place: bool = True) -> mx.array:
         """``in_place``: unless other calls of the step write the same pools (see ``AttentionPlan.in_place``)."""
-        num_rows = sum(c.num_tokens for c in chunks)
-        width = max(len(c.request.blocks.table) for c in chunks)
-        rows, width = padded_size(num_rows), padded_size(width)
+        counts = [c.num_tokens for c in chunks]
+        num_rows = sum(counts)
+        rows, width = padded_size(num_rows), padded_size(max(len(c.request.blocks.table) for c in chunks))
         groups = len(self.groups.windows)
         # Padding rows: token 0 at position 0, written to and read from the null block.
         tokens, positions = (np.zeros(rows, dtype=np.int32) for _ in range(2))
+        if input_tokens is None:
+            tokens[:num_rows] = [t for c in chunks for t in c.token_ids()]
+        chunk_first_row = np.repeat(np.cumsum(counts) - counts, counts)
+        positions[:num_rows] = np.repeat([c.start for c in chunks], counts) + np.arange(num_rows) - chunk_first_row
         slots = np.zeros((groups, rows), dtype=np.int32)
         block_tables = np.zeros((groups, rows, width), dtype=np.int32)
-        row = 0
-        for chunk in chunks:
-            request, n, start = chunk.request, chunk.num_tokens, chunk.start
-            if input_tokens is None:
-                tokens[row : row + n] = chunk.token_ids()
-            positions[row : row + n] = np.arange(start, start + n)
-            for group, seq in enumerate(request.tables):
-                slots[group, row : row + n] = chunk.slots[group]
-                # Entries before live_from are null, as the zeros are: a windowed table copies its window's only.
-                block_tables[group, row : row + n, seq.live_from : len(seq.table)] = seq.table[seq.live_from :]
-            row += n
+        for group in range(groups):
+            slots[group, :num_rows] = [s for c in chunks for s in c.slots[group]]
+            tables = table_rows([c.request.tables[group] for c in chunks], width)
+            block_tables[group, :num_rows] = np.repeat(tables, counts, axis=0)  # a chunk's rows share its table
         padded = mx.array(tokens) if input_tokens is None else mx.pad(input_tokens, (0, rows - num_rows))
         # Each row sees its context up to and including its own position.
         slot_arrays, table_arrays = [mx.array(s) for s in slots], [mx.array(t) for t in block_tables]
@@ -238,7 +247,7 @@ class ModelRunner:
         pools = self.kv.arrays()
         states = self.kv.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
         in_place = in_place and self._in_place
-        shape = (rows, width, all(c.num_tokens == 1 for c in chunks), in_place)
+        shape = (rows, width, num_rows == len(chunks), in_place)  # decode: every chunk one token
         traced = shape in self._traced_shapes
         try:
             hidden, new_pools, new_states = self._compiled_for(shape)(*arrays, pools, states)

@@ -223,10 +223,11 @@ class StepPipeline:
         filled = [c.request for c in chunks if (c.request.num_computed % size) + c.num_tokens >= size]
         built = BuiltStep(chunks, [], filled, logits, draft_tokens=draft_tokens)
         for chunk in chunks:
-            if chunk.draft and chunk.completes:
+            sampled = chunk.num_sampled  # none unless the chunk completes its request
+            if chunk.draft and sampled:
                 built.drafts[len(built.sampled)] = chunk.draft
-            built.sampled += [chunk.request] * chunk.num_sampled
-            built.ahead += range(chunk.num_sampled)
+            built.sampled += [chunk.request] * sampled
+            built.ahead += range(sampled)
         if built.sampled and not built.constrained:
             self._sample(built)
         return built
