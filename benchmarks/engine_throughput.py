@@ -234,7 +234,7 @@ def frozen_heap(freeze: bool):
     its heap (``server.freeze_heap``)."""
     frozen = False
     if freeze:
-        from llm_paged_mlx.server import freeze_heap  # the server's packages: only where asked
+        from llm_paged_mlx.engine.loop import freeze_heap
 
         frozen = freeze_heap()
     try:

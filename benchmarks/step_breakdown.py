@@ -69,18 +69,20 @@ def batch_generator_step(model, prompts, steps):
 
 
 def engine_step(engine, prompts, steps, profiler=None):
-    """The median step in steady decoding; ``profiler`` (a context manager) records ``steps`` of them."""
+    """The median step in steady decoding; ``profiler`` (a context manager) records ``steps`` of them, from the
+    step after every request has its first token (before it, steps of many requests still run prompts)."""
     params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True)
-    for prompt in prompts:
-        engine.add_request(prompt, params)
-    times = []
+    without_token = {engine.add_request(prompt, params) for prompt in prompts}
+    times, profiled = [], None
     while engine.has_unfinished():
-        if profiler is not None and len(times) == steps // 2:
+        if profiler is not None and profiled is None and not without_token:
             profiler.__enter__()
+            profiled = 0
         start = time.perf_counter()
-        engine.step()
+        chunks = engine.step()
         times.append(time.perf_counter() - start)
-        if profiler is not None and len(times) == steps // 2 + steps:
+        without_token -= {c.request_id for c in chunks if c.token_ids}
+        if profiled is not None and (profiled := profiled + 1) == steps:
             mx.synchronize()
             profiler.__exit__(None, None, None)
     return 1000 * statistics.median(times[len(times) // 4 :])

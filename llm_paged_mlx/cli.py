@@ -256,7 +256,7 @@ def _follow(model_id: str, options, group) -> None:
     build = engine_builder(model_id, fetch, group)
 
     def build_for_good(*args):  # this process keeps the engine until it ends, as rank 0's server does
-        from .server import freeze_heap
+        from .engine.loop import freeze_heap
 
         engine = build(*args)
         freeze_heap()

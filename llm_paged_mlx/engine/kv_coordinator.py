@@ -88,7 +88,7 @@ class KVCoordinator:
         if len(tables) > 1 and self.blocks_needed(tables, start, count) > manager.num_free_blocks:
             return None  # checked first, so that every table gets its blocks or none does
         slots = [manager.append_slots(seq, start, count) for seq in tables]
-        return None if slots[0] is None else slots  # one table: its own check left it unchanged
+        return None if slots[0] is None else slots  # one table: it failed unchanged (``BlockManager.append_slots``)
 
     def cached_prefix(self, tables: Tables, token_ids) -> list[list[int]]:
         """Each table's cached blocks of the longest prefix of ``token_ids`` that every table has cached (null

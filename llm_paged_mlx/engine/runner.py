@@ -34,10 +34,10 @@ from ..models.adapt import ModelSpec
 from ..models.deferred_rope import deferring
 from ..models.paged_cache import LayerLayout, PagedLayerCache
 from ..models.state_cache import honours_lengths
+from .block_manager import SequenceBlocks
 from .config import EngineConfig
 from .kv_groups import KVGroups, kv_groups
 from .kv_pools import KVPools
-from .block_manager import SequenceBlocks
 from .scheduler import ScheduledChunk
 
 # Each traced shape keeps its graph (about 3 MB for a 28-layer model): past this many
@@ -232,8 +232,9 @@ class ModelRunner:
         tokens, positions = (np.zeros(rows, dtype=np.int32) for _ in range(2))
         if input_tokens is None:
             tokens[:num_rows] = [t for c in chunks for t in c.token_ids()]
-        chunk_first_row = np.repeat(np.cumsum(counts) - counts, counts)
-        positions[:num_rows] = np.repeat([c.start for c in chunks], counts) + np.arange(num_rows) - chunk_first_row
+        first_rows = np.cumsum(counts) - counts  # each chunk's, in the step
+        starts = np.array([c.start for c in chunks])  # each chunk's first position
+        positions[:num_rows] = np.arange(num_rows) + np.repeat(starts - first_rows, counts)
         slots = np.zeros((groups, rows), dtype=np.int32)
         block_tables = np.zeros((groups, rows, width), dtype=np.int32)
         for group in range(groups):
@@ -247,7 +248,7 @@ class ModelRunner:
         pools = self.kv.arrays()
         states = self.kv.states.gather_flat(self._state_keys(chunks) + [None] * (rows - num_rows))
         in_place = in_place and self._in_place
-        shape = (rows, width, num_rows == len(chunks), in_place)  # decode: every chunk one token
+        shape = (rows, width, max(counts) == 1, in_place)
         traced = shape in self._traced_shapes
         try:
             hidden, new_pools, new_states = self._compiled_for(shape)(*arrays, pools, states)

@@ -7,7 +7,7 @@ import sys
 
 import uvicorn
 
-from ..engine.loop import EngineLoop, exit_at_once
+from ..engine.loop import EngineLoop, exit_at_once, freeze_heap
 from .app import ServedModel, create_app
 
 __all__ = ["ServedModel", "create_app", "freeze_heap", "run"]
@@ -45,18 +45,6 @@ def run(served: ServedModel, host: str, port: int, api_key=None, max_body_bytes:
         sys.setswitchinterval(switch_interval)
         if frozen:
             gc.unfreeze()
-
-
-def freeze_heap() -> bool:
-    """Take what the process holds now (modules, the model, the engine) out of Python's full garbage collections,
-    for a process that keeps it until it ends, as a server does (vLLM does the same): a full collection walks it
-    otherwise, a step stalled for tens of milliseconds each time a few hundred requests' objects set one off.
-    Whether it froze (not where something was frozen already: whoever froze it undoes it)."""
-    if gc.get_freeze_count():
-        return False
-    gc.collect()
-    gc.freeze()
-    return True
 
 
 class _InterruptOnce:
