@@ -231,7 +231,7 @@ def main(argv=None):
 @contextlib.contextmanager
 def frozen_heap(freeze: bool):
     """With ``freeze``, what the process holds now out of Python's full collections meanwhile, as the server keeps
-    its heap (``server.freeze_heap``)."""
+    its heap (``engine.loop.freeze_heap``, which the server calls)."""
     frozen = False
     if freeze:
         from llm_paged_mlx.engine.loop import freeze_heap
