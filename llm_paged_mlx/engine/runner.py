@@ -61,12 +61,10 @@ def padded_size(n: int) -> int:
 def table_rows(seqs: list[SequenceBlocks], width: int) -> np.ndarray:
     """The sequences' block tables as rows of ``width`` entries, null past each table's end and before its
     ``live_from`` (a windowed table shows its window's blocks only)."""
-    columns = np.arange(width)
-    live_from = np.array([seq.live_from for seq in seqs])[:, None]
-    ends = np.array([len(seq.table) for seq in seqs])[:, None]
-    out = np.zeros((len(seqs), width), dtype=np.int32)
-    out[(columns >= live_from) & (columns < ends)] = [b for seq in seqs for b in seq.table[seq.live_from :]]
-    return out
+    return np.array(
+        [[0] * seq.live_from + seq.table[seq.live_from :] + [0] * (width - len(seq.table)) for seq in seqs],
+        dtype=np.int32,
+    )
 
 
 class ModelRunner:
@@ -232,9 +230,7 @@ class ModelRunner:
         tokens, positions = (np.zeros(rows, dtype=np.int32) for _ in range(2))
         if input_tokens is None:
             tokens[:num_rows] = [t for c in chunks for t in c.token_ids()]
-        first_rows = np.cumsum(counts) - counts  # each chunk's, in the step
-        starts = np.array([c.start for c in chunks])  # each chunk's first position
-        positions[:num_rows] = np.arange(num_rows) + np.repeat(starts - first_rows, counts)
+        positions[:num_rows] = [p for c in chunks for p in range(c.start, c.start + c.num_tokens)]
         slots = np.zeros((groups, rows), dtype=np.int32)
         block_tables = np.zeros((groups, rows, width), dtype=np.int32)
         for group in range(groups):
