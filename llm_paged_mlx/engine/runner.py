@@ -34,7 +34,7 @@ from ..models.adapt import ModelSpec
 from ..models.deferred_rope import deferring
 from ..models.paged_cache import LayerLayout, PagedLayerCache
 from ..models.state_cache import honours_lengths
-from .block_manager import SequenceBlocks
+from .block_manager import NULL_BLOCK, SequenceBlocks
 from .config import EngineConfig
 from .kv_groups import KVGroups, kv_groups
 from .kv_pools import KVPools
@@ -61,10 +61,9 @@ def padded_size(n: int) -> int:
 def table_rows(seqs: list[SequenceBlocks], width: int) -> np.ndarray:
     """The sequences' block tables as rows of ``width`` entries, null past each table's end and before its
     ``live_from`` (a windowed table shows its window's blocks only)."""
-    return np.array(
-        [[0] * seq.live_from + seq.table[seq.live_from :] + [0] * (width - len(seq.table)) for seq in seqs],
-        dtype=np.int32,
-    )
+    null = NULL_BLOCK
+    rows = [[null] * seq.live_from + seq.table[seq.live_from :] + [null] * (width - len(seq.table)) for seq in seqs]
+    return np.array(rows, dtype=np.int32)
 
 
 class ModelRunner:
