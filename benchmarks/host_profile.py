@@ -35,6 +35,7 @@ from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # thi
 from long_context import LLAMA_8B
 from mlx_lm.models import llama, qwen3
 from mlx_lm.models.cache import make_prompt_cache
+from one_stream import read_first
 from step_breakdown import engine_step, kernel_table
 
 from llm_paged_mlx import Engine, SamplingParams
@@ -116,10 +117,9 @@ def one_stream_ms(engine, prompt, steps: int, wait_each: bool = False) -> float:
 
 def read_first_ms(model, prompt, steps: int) -> float:
     """One stream, ms a step, with the step built ahead launched only after the one in flight is read (as the
-    engine runs where K/V writes are scatters): what launching it first gains where they are in place."""
+    engine runs where a K/V write would copy a pool: a GPU's scatters): what launching it first gains."""
     engine = Engine(model, kv_budget_bytes=4 * 2**30, enable_prefix_caching=False)
-    engine.runner.__class__ = type("ReadFirstRunner", (type(engine.runner),), {"writes_in_place": False})
-    return one_stream_ms(engine, prompt, steps)
+    return one_stream_ms(read_first(engine), prompt, steps)
 
 
 def mlx_lm_profile(model, prompt, steps: int, profiler=None) -> dict[str, float]:

@@ -16,14 +16,20 @@ of a few percent shows within one process, where the spread between processes hi
 likewise times an engine over a second copy of the model whose decode steps rotate with the model's own RoPE
 modules, not in the attention kernel (``models.deferred_rope``). ``--kernel-template FILE`` likewise times an
 engine whose CUDA attention kernel is compiled from another template (a copy of ``csrc/paged_attention.in`` as it
-was, say): a change to the kernel against the source before it, end to end.
+was, say): a change to the kernel against the source before it, end to end. ``--read-first`` likewise times an
+engine whose decode steps are launched only after the step in flight is read (as where a K/V write would copy a
+pool that step holds), against the engine's own order. ``--interleave N``: within a round the systems take turns
+every N tokens, and each one's rate is one over its median gap between tokens (prefill not counted): steady
+decoding compared over the same minutes, for a machine whose speed drifts between answers.
 """
 
 import argparse
+import itertools
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import mlx.core as mx
 from engine_throughput import QWEN3_0_6B, SMALL, build_model, prompts_for  # this folder
@@ -55,21 +61,52 @@ def load(name: str, bits: str):
     return model, config["vocab_size"]
 
 
-def mlx_lm_times(model, prompt, new_tokens: int) -> list[float]:
+def mlx_lm_tokens(model, prompt, new_tokens: int) -> Iterator[int]:
+    """One answer of mlx-lm's greedy ``generate_step``: yields 1 a token."""
+    for _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens, sampler=lambda x: mx.argmax(x, -1)):
+        yield 1
+
+
+def engine_tokens(engine, prompt, new_tokens: int) -> Iterator[int]:
+    """One answer of ``engine``, read as ``llm -m`` reads it (``Engine.stream``): yields each chunk's tokens."""
+    for chunk in engine.stream(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
+        yield len(chunk.token_ids)
+
+
+def token_times(answer: Iterator[int]) -> list[float]:
     """Seconds from the start to each token of one answer."""
     start, times = time.perf_counter(), []
-    for _ in generate_step(mx.array(prompt), model, max_tokens=new_tokens, sampler=lambda x: mx.argmax(x, -1)):
-        times.append(time.perf_counter() - start)
+    for count in answer:
+        times += [time.perf_counter() - start] * count
     return times
 
 
-def engine_times(engine, prompt, new_tokens: int) -> list[float]:
-    """Seconds from the start to each token of one answer, read as ``llm -m`` reads them (``Engine.stream``)."""
-    start, times = time.perf_counter(), []
-    for chunk in engine.stream(prompt, SamplingParams(max_tokens=new_tokens, ignore_eos=True)):
-        now = time.perf_counter() - start
-        times += [now] * len(chunk.token_ids)
-    return times
+SETTLING = 3  # a turn's first chunks, which come while the turn before it still ends on the device
+
+
+def interleaved_gaps(answers: dict[str, Iterator[int]], turn: int, gaps: dict[str, list]) -> None:
+    """The answers taking turns, ``turn`` chunks each: adds each one's seconds a token, chunk by chunk, to
+    ``gaps``, from its first token on, but for each turn's first ``SETTLING`` chunks."""
+    for answer in answers.values():
+        next(answer)  # its prompt
+    while answers:
+        for name, answer in list(answers.items()):
+            last, taken = time.perf_counter(), 0
+            for count in itertools.islice(answer, turn):
+                now = time.perf_counter()
+                if taken >= SETTLING:
+                    gaps[name] += [(now - last) / count] * count
+                last, taken = now, taken + 1
+            if taken < turn:
+                del answers[name]
+
+
+def rates(runs: dict[str, list], interleaved: bool) -> dict[str, float]:
+    """Each system's tokens a second: of whole answers, the median over the rounds after the warm-up; or at the
+    median gap between tokens (``interleaved``)."""
+    if interleaved:
+        return {n: 1 / statistics.median(gaps) for n, gaps in runs.items()}
+    return {n: statistics.median(len(t) / t[-1] for t in times[1:]) for n, times in runs.items()}
 
 
 def timeline(name: str, times: list[float]) -> str:
@@ -93,6 +130,12 @@ def registered_kernel(name: str, **options) -> str:
     return name
 
 
+def read_first(engine: Engine) -> Engine:
+    """``engine``, its decode steps built ahead launched only after the step in flight is read."""
+    engine.runner.__class__ = type("ReadFirstRunner", (type(engine.runner),), {"writes_in_place": False})
+    return engine
+
+
 def rope_apart(model) -> None:
     """The model's RoPE modules as they were before ``defer_rope``: its layers rotate their queries and keys."""
     for _, module in model.named_modules():
@@ -112,17 +155,27 @@ def main():
     second.add_argument("--kernel-warps", type=int, metavar="N", help="also an engine whose kernel keeps N simd groups")
     second.add_argument("--rope-apart", action="store_true", help="also an engine whose model rotates with its RoPE")
     second.add_argument("--kernel-template", metavar="FILE", help="also an engine whose kernel comes from FILE")
+    second.add_argument("--read-first", action="store_true", help="also an engine that reads a step, then launches")
+    parser.add_argument("--interleave", type=int, metavar="N",
+                        help="the systems take turns every N tokens of a round; rates from the median gap")
     args = parser.parse_args()
+    if args.interleave is not None and args.interleave <= SETTLING:
+        parser.error(f"--interleave takes more than {SETTLING} tokens a turn")
     held = f"engine, {args.kernel_warps} simd groups" if args.kernel_warps else None
     held = "engine, RoPE apart" if args.rope_apart else held
+    held = "engine, read first" if args.read_first else held
     held = f"engine, {Path(args.kernel_template).stem}" if args.kernel_template else held
     kernel = None  # the second engine's attention kernel, where it has one of its own
     if args.kernel_warps:
         kernel = registered_kernel(f"cuda ({held})", warps=args.kernel_warps)
     elif args.kernel_template:
         kernel = registered_kernel(f"cuda ({held})", template=Path(args.kernel_template).read_text())
+    if args.interleave:
+        measure = f"tokens a second at the median gap, the systems taking turns every {args.interleave} tokens"
+    else:
+        measure = f"tok/s medians of {args.rounds}"
     print(f"# {time.strftime('%Y-%m-%d')}, mlx {mx.__version__} on {mx.default_device()}, a new prompt of 64-128 "
-          f"tokens a round, {args.new_tokens} new tokens, tok/s medians of {args.rounds}")
+          f"tokens a round, {args.new_tokens} new tokens, {args.rounds} rounds, {measure}")
     extra = f" {held} | its ratio |" if held else ""
     print("| model | weights | mlx-lm generate_step | engine | engine / mlx-lm |" + extra)
     print("|---|---|---:|---:|---:|" + "---:|---:|" * bool(held))
@@ -138,15 +191,21 @@ def main():
             elif args.rope_apart:
                 engines[held] = Engine(load(name, bits)[0], kv_budget_bytes=4 * 2**30)
                 rope_apart(engines[held].model)
+            elif args.read_first:
+                engines[held] = read_first(Engine(load(name, bits)[0], kv_budget_bytes=4 * 2**30))
             runs = {"mlx-lm": [], **{n: [] for n in engines}}
             for round in range(args.rounds + 1):  # the first is a warm-up
-                runs["mlx-lm"].append(mlx_lm_times(baseline, prompts[round], args.new_tokens))
-                for n, engine in engines.items():
-                    runs[n].append(engine_times(engine, prompts[round], args.new_tokens))
+                answers = {"mlx-lm": mlx_lm_tokens(baseline, prompts[round], args.new_tokens)}
+                answers.update((n, engine_tokens(e, prompts[round], args.new_tokens)) for n, e in engines.items())
+                if args.interleave:
+                    interleaved_gaps(answers, args.interleave, runs if round else {n: [] for n in runs})
+                else:
+                    for n, answer in answers.items():
+                        runs[n].append(token_times(answer))
             weights = f"{bits}-bit" if bits != "none" else ("float32" if args.smollm2 else "bf16")
-            if args.timeline:
+            if args.timeline and not args.interleave:
                 lines += [f"{name} {weights}, " + timeline(n, t[-1]) for n, t in runs.items()]
-            rate = {n: statistics.median(len(t) / t[-1] for t in times[1:]) for n, times in runs.items()}
+            rate = rates(runs, bool(args.interleave))
             cells = [f"{rate[n]:.1f} | {rate[n] / rate['mlx-lm']:.2f}x" for n in engines]
             print(f"| {name} | {weights} | {rate['mlx-lm']:.1f} | " + " | ".join(cells) + " |", flush=True)
             del model, baseline, engines

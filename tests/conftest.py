@@ -37,11 +37,11 @@ def kv_read_from_pool(monkeypatch):
 
 @pytest.fixture(params=["read first", "launched ahead", "kernel writes"])
 def decode_launch(request, monkeypatch):
-    """The ways steady decoding launches a step built ahead: after reading the step in flight (scatter
-    writes), or before (where K/V writes are in place, as on CUDA; here over scatters, which copy a pool
-    that a step in flight holds but give the same values); "kernel writes": before, and the attention
-    kernel takes the step's K/V rows itself (``write_and_attend``, as CUDA's; here a scatter into the
-    arrays it is given, which is what writing in place means for their values)."""
+    """The ways steady decoding launches a step built ahead: after reading the step in flight (where K/V
+    writes would copy a pool that step holds: a GPU's scatters), or before (where they are in place: MLX's
+    scatters on this CPU, CUDA's kernel); "kernel writes": before, where the attention kernel takes the step's
+    K/V rows itself (``write_and_attend``, as CUDA's; here a scatter into the arrays it is given, which is
+    what writing in place means for their values) and says so, MLX's scatters aside."""
     from llm_paged_mlx.engine.runner import ModelRunner
     from llm_paged_mlx.kernels.portable import PortableKernel
 
@@ -50,9 +50,12 @@ def decode_launch(request, monkeypatch):
         v_flat[index] = values
         return self(queries, k_flat.reshape(*shape, -1), v_flat.reshape(*shape, -1), plan, scale, **masking)
 
-    if request.param == "launched ahead":
+    if request.param == "read first":
+        monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: False))
+    elif request.param == "launched ahead":
         monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: True))
     elif request.param == "kernel writes":
+        monkeypatch.setattr(ModelRunner, "scatters_in_place", property(lambda self: False))
         monkeypatch.setattr(PortableKernel, "in_place_writes", True, raising=False)
         monkeypatch.setattr(PortableKernel, "write_and_attend", write_and_attend, raising=False)
     return request.param

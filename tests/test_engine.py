@@ -297,12 +297,37 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
     assert engine.stats()["free_blocks"] == 39 and engine.steps.in_flight is None and engine.steps.unread is None
 
 
+@pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX's scatters write in place while a step runs on the CPU")
+def test_decode_steps_launched_ahead_on_the_cpu_write_the_pools_in_place(monkeypatch):
+    """On the CPU a decode step is launched while the one before it runs, and MLX's scatter still writes its
+    K/V in place: no step allocates a copy of a pool, also while other processes load the cores."""
+    launched = []
+    launch_ahead = StepPipeline._launch_ahead
+    monkeypatch.setattr(StepPipeline, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
+    model = tiny_model("llama")
+    prompt = random_prompts([40], seed=21)[0]
+    engine = Engine(model, num_blocks=4096)
+    pool_bytes = min(a.nbytes for a in engine.runner.kv.arrays())
+    engine.add_request(prompt, SamplingParams(max_tokens=48))
+    allocated = []  # the most memory each step held beyond what was held before it
+    while engine.has_unfinished():
+        mx.reset_peak_memory()
+        held = mx.get_active_memory()
+        collect(engine.step(), {})
+        allocated.append(mx.get_peak_memory() - held)
+    assert engine.runner.writes_in_place and len(launched) > 40
+    assert max(allocated) < pool_bytes // 4, [round(a / pool_bytes, 2) for a in allocated]
+
+
 @pytest.mark.parametrize("run_ahead", [True, False])
 def test_an_interrupt_while_a_step_is_read_loses_nothing(monkeypatch, run_ahead):
     """Ctrl-C lands where the host waits: in reading a step. The next call reads it again, a step
-    built ahead of it is dropped with its slots, and every request still gets mlx-lm's tokens."""
+    built ahead of it (to launch after the read) is dropped with its slots, and every request still gets
+    mlx-lm's tokens."""
     from llm_paged_mlx.engine import engine as engine_module
+    from llm_paged_mlx.engine.runner import ModelRunner
 
+    monkeypatch.setattr(ModelRunner, "writes_in_place", property(lambda self: False))
     model = tiny_model("llama")
     prompts = random_prompts([14, 31, 9], seed=13)
     engine = Engine(model, num_blocks=40)

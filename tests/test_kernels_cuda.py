@@ -544,8 +544,8 @@ def _decode_peak(engine, prompt, steps):
     tiny model's steps end before the host has built the next)."""
     held, launch = [], engine.runner.launch
 
-    def launch_holding(*outputs):
-        launch(*outputs)
+    def launch_holding(*outputs, **options):
+        launch(*outputs, **options)
         held[:] = engine.runner.kv.arrays()
 
     engine.runner.launch = launch_holding

@@ -86,8 +86,9 @@ class ModelRunner:
         self._prefill_as_rows = kernel.prefill_as_rows
         latent = [layout for layout in spec.attention if layout.latent]
         self._latent = latent_shape(model, latent[0].dtype) if latent else None
+        self._owns_pools = len(self.kv.owners) == len(self.kv.caches)
         # Compiled steps may write K/V in place where each layer owns its pools (AttentionPlan.in_place).
-        self._in_place = len(self.kv.owners) == len(self.kv.caches) and kernel.in_place_writes
+        self._in_place = self._owns_pools and kernel.in_place_writes
 
     def with_pools(self, num_blocks: int) -> "ModelRunner":
         """A runner like this one over full-precision pools of its own of ``num_blocks`` blocks."""
@@ -96,10 +97,21 @@ class ModelRunner:
 
     @property
     def writes_in_place(self) -> bool:
-        """Whether decode steps write K/V into the pools in place (as the last one traced did, every layer):
-        then a step launched while another runs copies no pool."""
+        """Whether decode steps write K/V into the pools in place: then a step launched while another runs
+        copies no pool. The kernel's writes are, if the last step traced made them so, every layer; or MLX's
+        scatters are (``scatters_in_place``)."""
         caches = self.kv.caches
-        return self._in_place and bool(caches) and all(c.decodes_in_place for c in caches)
+        kernel_writes = self._in_place and bool(caches) and all(c.decodes_in_place for c in caches)
+        return kernel_writes or self.scatters_in_place
+
+    @property
+    def scatters_in_place(self) -> bool:
+        """Whether MLX's scatter writes a decode step's K/V in place while the step before it runs: on the CPU,
+        where each layer owns its pools. A CPU stream runs its operations in order, lets go of each one's
+        inputs as it ends, and holds the host back once about fifty are queued, so a step has long read a
+        layer's pools when the next step's write to them is encoded, if nothing else holds them (``launch``).
+        """
+        return self._owns_pools and mx.default_device() == mx.cpu
 
     def grow(self, num_blocks: int) -> None:
         """Grow the pools to ``num_blocks`` blocks, keeping their contents; steps are traced anew."""
@@ -150,9 +162,16 @@ class ModelRunner:
             return self.model.model.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)
 
-    def launch(self, *outputs) -> None:
-        """Start evaluating the step (the given outputs and every pool write) without waiting for it."""
-        mx.async_eval(*outputs, self.kv.arrays(), self.kv.states.take_written())  # lazy states hold activations
+    def launch(self, *outputs, ahead: bool = False) -> None:
+        """Start evaluating the step (the given outputs and every pool write) without waiting for it; ``ahead``:
+        a decode step launched while the step before it runs.
+
+        Where MLX's scatters write in place, a step launched ahead leaves the pools out: MLX holds what it is
+        asked for until the whole step has ended, and the next step's writes, launched meanwhile, would copy
+        the pools. Its attention reads every pool it writes, so its outputs start the writes.
+        """
+        pools = () if ahead and self.scatters_in_place else self.kv.arrays()
+        mx.async_eval(*outputs, pools, self.kv.states.take_written())  # lazy states hold activations
         for cache in self.kv.caches:
             cache.plan = None
 

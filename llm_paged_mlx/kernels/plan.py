@@ -131,6 +131,10 @@ class AttentionPlan:
         else:
             self.pacer(out, overlap)
 
+    def shared(self, *key) -> dict:
+        """A dict kept for this step under ``key``: what a kernel makes once for the layers that ask alike."""
+        return self._cache.setdefault(("shared", *key), {})
+
     def write_indices(self, num_kv_heads: int) -> mx.array:
         """(T, num_kv_heads) rows of the flat pool ``(num_blocks*H*block_size, D)``."""
         key = ("write", num_kv_heads)

@@ -53,7 +53,10 @@ class PortableKernel(AttentionKernel):
             q = queries[: plan.num_decode]
             tables, start = (plan.decode_block_tables, None) if window is None else plan.window_tables(window)
             lens = plan.decode_context_lens
-            parts.append(decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start, softcap))
+            shared = plan.shared("portable decode", window)
+            parts.append(
+                decode_attention(q, k_pool, v_pool, tables, lens, scale, window, sinks, start, softcap, shared)
+            )
         for chunk in plan.prefills:
             q = queries[chunk.row_start : chunk.row_start + chunk.num_tokens]
             table, length, own = chunk.block_table, chunk.context_len, chunk_own_rows(k_pool, v_pool, chunk)
@@ -341,12 +344,15 @@ MAX_GATHER_ROWS = 64
 
 def decode_attention(
     queries, k_pool, v_pool, block_tables, context_lens, scale, window=None, sinks=None, table_start=None,
-    softcap=None,
+    softcap=None, shared=None,
 ):  # fmt: skip
     """One query per row ``(R, Hq, 1, D)`` over the blocks of its table ``(R, max_blocks)``: over its last
     ``window`` tokens only, if given, with ``sinks`` (one logit per query head) in the softmax, and with
     ``softcap``, scores taken as ``softcap * tanh(scores / softcap)``.
     ``table_start`` ``(R,)``: the position of each row's first table entry, if not 0 (``plan.window_tables``).
+    ``shared``: a dict that a step's calls with the same tables, lengths, ``window`` and ``table_start`` pass
+    alike (``plan.shared``): the arrays made from those alone (gather indices, the keys each row sees) are
+    made once for them all, not once a layer.
 
     Scores and weighted values are ``mx.gather_mm`` products of each (row, KV
     head) with each block of its table, at most ``MAX_GATHER_PRODUCTS`` per call;
@@ -358,7 +364,8 @@ def decode_attention(
         # Take the blocks the rows use as values: the CPU gather_mm only takes float32.
         dtype = mx.float32 if on_cpu else v_pool.dtype
         return _decode_block_values(
-            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype
+            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype,
+            shared,
         )
     num_blocks, kv_heads, block_size, _ = k_pool.shape
     rep = q_heads // kv_heads
@@ -366,43 +373,53 @@ def decode_attention(
     dv = v_pool.shape[-1]
     if rep > MAX_GATHER_ROWS and k_pool.dtype == mx.float32:  # each KV head's query heads, a slice at a time
         return _decode_head_slices(
-            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+            queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, shared
         )
 
     q = (queries * scale).astype(k_pool.dtype).reshape(rows * kv_heads, rep, dim)
-    q_index, kv_index = _gather_indices(block_tables, kv_heads)
     keys = k_pool.reshape(num_blocks * kv_heads, block_size, dim).swapaxes(1, 2)
     values = v_pool.reshape(num_blocks * kv_heads, block_size, dv)
     step = max(1, MAX_GATHER_PRODUCTS // (rows * kv_heads))
     chunks = [slice(start, start + step) for start in range(0, width, step)]
-
-    # CUDA's gather_mm takes its operands as packed arrays: slices must be made contiguous.
-    q_index = [mx.contiguous(q_index[:, :, c]) for c in chunks]
-    kv_index = [mx.contiguous(kv_index[:, :, c]) for c in chunks]
+    indices = _once(shared, ("gather", kv_heads), lambda: _gather_indices(block_tables, kv_heads, chunks))
+    q_index, kv_index, values_index = indices
     scores = [mx.gather_mm(q, keys, qi, ki) for qi, ki in zip(q_index, kv_index)]
     scores = (scores[0] if len(scores) == 1 else mx.concatenate(scores, axis=2)).astype(mx.float32)
-    probs, total = _softmax_terms(scores, context_lens, window, sinks, table_start, softcap)
-    out = _weighted_values(probs, total, values, chunks, kv_index)
+    visible = _once(
+        shared, ("visible", block_size), lambda: _visible(context_lens, window, table_start, width, block_size)
+    )
+    probs, total = _softmax_terms(scores, visible, sinks, softcap)
+    out = _weighted_values(probs, total, values, chunks, kv_index, values_index)
     return out.reshape(rows, q_heads, 1, dv)
 
 
+def _once(shared: dict | None, key, make):
+    """``make()``, kept in ``shared`` under ``key`` for the step's other layers (made anew without ``shared``)."""
+    if shared is None:
+        return make()
+    if key not in shared:
+        shared[key] = make()
+    return shared[key]
+
+
 def _decode_block_values(
-    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, dtype, shared
 ):
     """``decode_attention`` over the blocks the rows use, taken from the pools as values in ``dtype``."""
     used = block_tables.reshape(-1)
     same = v_pool is k_pool  # MLA's latent rows: one pool
     k_pool = block_values(k_pool, used, dtype)
     v_pool = k_pool if same else block_values(v_pool, used, dtype)
-    block_tables = mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape)
+    shared = None if shared is None else shared.setdefault("block values", {})  # over these blocks' tables
+    block_tables = _once(shared, "tables", lambda: mx.arange(used.size, dtype=mx.int32).reshape(block_tables.shape))
     out = decode_attention(
-        queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+        queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, shared
     )
     return out.astype(queries.dtype)
 
 
 def _decode_head_slices(
-    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap
+    queries, k_pool, v_pool, block_tables, context_lens, scale, window, sinks, table_start, softcap, shared
 ):
     """``decode_attention`` of each KV head's query heads ``MAX_GATHER_ROWS`` at a time."""
     rows, q_heads, _, dim = queries.shape
@@ -416,33 +433,43 @@ def _decode_head_slices(
         q = grouped[:, :, s : s + MAX_GATHER_ROWS].reshape(rows, -1, 1, dim)
         part_sinks = None if sinks is None else grouped_sinks[:, s : s + MAX_GATHER_ROWS].reshape(-1)
         part = decode_attention(
-            q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start, softcap
+            q, k_pool, v_pool, block_tables, context_lens, scale, window, part_sinks, table_start, softcap, shared
         )
         parts.append(part.reshape(rows, kv_heads, -1, dv))
     return mx.concatenate(parts, axis=2).reshape(rows, q_heads, 1, dv)
 
 
-def _gather_indices(block_tables, kv_heads: int):
-    """``mx.gather_mm``'s indices ``(R, H, W)`` for each (row, KV head, table entry): of the row's queries of that
-    head in ``(R * H, rep, D)``, and of the block's K/V of that head in ``(num_blocks * H, ...)``."""
+def _gather_indices(block_tables, kv_heads: int, chunks: list[slice]):
+    """``mx.gather_mm``'s indices for each (row, KV head, table entry), a list per chunk of the table's columns
+    ``(R, H, W')``: of the row's queries of that head in ``(R * H, rep, D)``, of the block's K/V of that head in
+    ``(num_blocks * H, ...)``, and of the chunk's weights ``(R * H * W', rep, bs)``."""
     rows, width = block_tables.shape
     heads = mx.arange(kv_heads, dtype=mx.int32)
     pairs = mx.arange(rows, dtype=mx.int32)[:, None] * kv_heads + heads
     q_index = mx.broadcast_to(pairs[:, :, None], (rows, kv_heads, width))
     kv_index = block_tables[:, None, :] * kv_heads + heads[None, :, None]  # (R, H, W)
-    return q_index, kv_index
+    # CUDA's gather_mm takes its operands as packed arrays: slices must be made contiguous.
+    q_index = [mx.contiguous(q_index[:, :, c]) for c in chunks]
+    kv_index = [mx.contiguous(kv_index[:, :, c]) for c in chunks]
+    values_index = [mx.arange(i.size, dtype=mx.int32).reshape(i.shape) for i in kv_index]
+    return q_index, kv_index, values_index
 
 
-def _softmax_terms(scores, context_lens, window, sinks, table_start, softcap):
-    """The softmax of scores ``(R, H, W, rep, bs)`` over the keys each row sees, before normalisation:
-    ``exp(scores - peak)``, and its sum ``(R, H, rep, 1)`` with the sinks' terms."""
-    rows, kv_heads, width, rep, block_size = scores.shape
-    if softcap is not None:
-        scores = mx.tanh(scores / softcap) * softcap
+def _visible(context_lens, window, table_start, width: int, block_size: int) -> mx.array:
+    """Which keys of its table's ``width`` blocks each row sees: ``(R, 1, W, 1, bs)``."""
+    rows = context_lens.shape[0]
     position = mx.arange(width * block_size, dtype=mx.int32).reshape(1, 1, width, 1, block_size)
     if table_start is not None:
         position = position + table_start.reshape(rows, 1, 1, 1, 1)
-    visible = visible_keys(context_lens.reshape(rows, 1, 1, 1, 1) - 1, position, window)
+    return visible_keys(context_lens.reshape(rows, 1, 1, 1, 1) - 1, position, window)
+
+
+def _softmax_terms(scores, visible, sinks, softcap):
+    """The softmax of scores ``(R, H, W, rep, bs)`` over the keys each row sees (``visible``), before
+    normalisation: ``exp(scores - peak)``, and its sum ``(R, H, rep, 1)`` with the sinks' terms."""
+    rows, kv_heads, _, rep, _ = scores.shape
+    if softcap is not None:
+        scores = mx.tanh(scores / softcap) * softcap
     scores = mx.where(visible, scores, -mx.inf)  # (R, H, W, rep, bs)
     peak = scores.max(axis=(2, 4), keepdims=True)  # finite: a row sees its own token
     if sinks is not None:  # one more logit per query head, with no value
@@ -455,15 +482,14 @@ def _softmax_terms(scores, context_lens, window, sinks, table_start, softcap):
     return probs, total
 
 
-def _weighted_values(probs, total, values, chunks, kv_index):
+def _weighted_values(probs, total, values, chunks, kv_index, values_index):
     """The values of each row's blocks weighted by ``probs`` (``gather_mm`` per chunk of the table), summed
     and divided by ``total``: ``(R, H, rep, Dv)`` in the values' dtype."""
-    rows, kv_heads, _, rep, block_size = probs.shape
+    *_, rep, block_size = probs.shape
     probs = probs.astype(values.dtype)
     out = None
-    for c, ki in zip(chunks, kv_index):
+    for c, ki, index in zip(chunks, kv_index, values_index):
         flat = mx.contiguous(probs[:, :, c]).reshape(-1, rep, block_size)
-        index = mx.arange(flat.shape[0], dtype=mx.int32).reshape(rows, kv_heads, -1)
         part = mx.gather_mm(flat, values, index, ki).sum(axis=2)  # (R, H, rep, Dv)
         out = part if out is None else out + part
     return (out.astype(mx.float32) / total).astype(values.dtype)
