@@ -300,15 +300,16 @@ def test_decode_runs_ahead_through_stops_and_aborts(monkeypatch, decode_launch):
 @pytest.mark.skipif(mx.default_device() != mx.cpu, reason="MLX's scatters write in place while a step runs on the CPU")
 def test_decode_steps_launched_ahead_on_the_cpu_write_the_pools_in_place(monkeypatch):
     """On the CPU a decode step is launched while the one before it runs, and MLX's scatter still writes its
-    K/V in place: no step allocates a copy of a pool, also while other processes load the cores."""
+    K/V in place: no step allocates a copy of a pool, also while other processes load the cores, and also
+    where requests ending at different steps make some steps wait for the one before."""
     launched = []
     launch_ahead = StepPipeline._launch_ahead
     monkeypatch.setattr(StepPipeline, "_launch_ahead", lambda self, s: launched.append(1) or launch_ahead(self, s))
     model = tiny_model("llama")
-    prompt = random_prompts([40], seed=21)[0]
     engine = Engine(model, num_blocks=4096)
     pool_bytes = min(a.nbytes for a in engine.runner.kv.arrays())
-    engine.add_request(prompt, SamplingParams(max_tokens=48))
+    for prompt, max_tokens in zip(random_prompts([40, 9, 23], seed=21), [48, 20, 34]):
+        engine.add_request(prompt, SamplingParams(max_tokens=max_tokens))
     allocated = []  # the most memory each step held beyond what was held before it
     while engine.has_unfinished():
         mx.reset_peak_memory()

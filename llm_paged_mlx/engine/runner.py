@@ -162,15 +162,16 @@ class ModelRunner:
             return self.model.model.embed_tokens.as_linear(hidden)
         return self.model.lm_head(hidden)
 
-    def launch(self, *outputs, ahead: bool = False) -> None:
-        """Start evaluating the step (the given outputs and every pool write) without waiting for it; ``ahead``:
-        a decode step launched while the step before it runs.
+    def launch(self, *outputs, decode: bool = False) -> None:
+        """Start evaluating the step (the given outputs and every pool write) without waiting for it; ``decode``:
+        every row of the step is a sequence's one new token.
 
-        Where MLX's scatters write in place, a step launched ahead leaves the pools out: MLX holds what it is
-        asked for until the whole step has ended, and the next step's writes, launched meanwhile, would copy
-        the pools. Its attention reads every pool it writes, so its outputs start the writes.
+        Where MLX's scatters write in place, a decode step leaves the pools out: MLX holds what it is asked for
+        until the whole step has ended, and the next step's writes, launched meanwhile, would copy the pools.
+        A decode step's attention reads every pool it writes, so its outputs start the writes (a prompt chunk
+        may attend to its own rows and leave its writes unread).
         """
-        pools = () if ahead and self.scatters_in_place else self.kv.arrays()
+        pools = () if decode and self.scatters_in_place else self.kv.arrays()
         mx.async_eval(*outputs, pools, self.kv.states.take_written())  # lazy states hold activations
         for cache in self.kv.caches:
             cache.plan = None

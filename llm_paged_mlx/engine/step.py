@@ -239,8 +239,8 @@ class StepPipeline:
         step.logprobs = logprobs(step.logits, step.tokens, step.sampled)
         step.logits = None
 
-    def launch(self, step: BuiltStep, ahead: bool = False) -> None:
-        """Start a built step on the device; nothing waits for it. ``ahead``: while the step before it runs.
+    def launch(self, step: BuiltStep) -> None:
+        """Start a built step on the device; nothing waits for it.
 
         A constrained step's masks follow the tokens ``apply`` has just given
         its requests: another thread makes them while this one launches the
@@ -252,7 +252,7 @@ class StepPipeline:
             if self.drafter is not None:  # its pools' writes, which no output of the step holds
                 self.drafter.runner.launch()
             if not step.constrained:
-                self.runner.launch(*step.outputs(), ahead=ahead)
+                self.runner.launch(*step.outputs(), decode=all(c.num_tokens == 1 for c in step.chunks))
                 return
             grammars = self._row_matchers(step)
             bitmask = self.grammars.bitmask_meanwhile(grammars)
@@ -392,8 +392,8 @@ class StepPipeline:
         """Build the next decode step on the launched step's tokens, launch it, then read those tokens: the
         device has the next step queued before it ends the one it runs. (Constrained steps cannot: their
         masks follow the tokens read.) If the wait is interrupted, the next call reads the step first."""
-        step = self.transaction(lambda handles: self._build_ahead(launched))
-        self.launch(step, ahead=True)
+        ahead = self.transaction(lambda handles: self._build_ahead(launched))
+        self.launch(ahead)
         self.unread = launched
         self.read(launched)
 
