@@ -7,15 +7,21 @@ reading one shows up in the result. The helpers here are shared with
 ``test_kernels_cuda.py``.
 """
 
+import json
 import warnings
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-from llm_paged_mlx import plugins
-from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, select_kernel, self_check
+from models import tiny_model
+
+from llm_paged_mlx import Engine, plugins
+from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, fused, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
+from llm_paged_mlx.kernels.dialect import CUDA, read_template
+from llm_paged_mlx.kernels.in_place import InPlaceWrites
+from llm_paged_mlx.kernels.latent import LatentKernels
 from llm_paged_mlx.kernels.portable import QUERY_TILE, PortableKernel, chunk_attention, decode_attention
 
 BIG = 1e30  # stands in for stale K/V that the portable kernel reads but must mask
@@ -275,3 +281,124 @@ def test_self_check_verdict_warns_once_per_failure_and_takes_nan_as_a_mismatch()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert self_check.passes("cuda latent attention", "dtype=x", lambda: 1e-3, 1e-2)
+
+
+def measured(values: list, value: float):
+    """A self-check's measurement that records that it ran."""
+    return lambda: values.append(value) or value
+
+
+def not_measured():
+    raise AssertionError("measured again: the kept verdict was not used")
+
+
+def test_a_self_check_verdict_is_kept_for_later_processes(tmp_path):
+    path, runs = tmp_path / "verdicts.json", []
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
+    with pytest.warns(RuntimeWarning, match="disagrees with the portable kernel for dtype=y"):
+        assert not self_check.passes("cuda paged attention", "dtype=y", measured(runs, 0.5), 1e-2, "v1", path)
+    assert runs == [1e-3, 0.5] and len(json.loads(path.read_text())) == 2
+
+    # A later process reads both verdicts back, and warns again of the refusal
+    assert self_check.passes("cuda paged attention", "dtype=x", not_measured, 1e-2, "v1", path)
+    refusal = r"dtype=y \(relative error 5.00e-01\); using the portable kernel"
+    with pytest.warns(RuntimeWarning, match=refusal):
+        assert not self_check.passes("cuda paged attention", "dtype=y", not_measured, 1e-2, "v1", path)
+
+    # Another source, kernel or configuration is measured; so is every check without a verdict file
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 2e-3), 1e-2, "v2", path)
+    assert self_check.passes("metal paged attention", "dtype=x", measured(runs, 3e-3), 1e-2, "v1", path)
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 4e-3), 1e-2, "v1")
+    assert runs[2:] == [2e-3, 3e-3, 4e-3]
+
+
+def test_a_self_check_that_fails_with_an_error_keeps_no_verdict(tmp_path):
+    path = tmp_path / "verdicts.json"
+
+    def out_of_memory():
+        raise MemoryError("no room for the check")
+
+    with pytest.warns(RuntimeWarning, match=r"kernel failed for dtype=x \(no room for the check\)"):
+        assert not self_check.passes("cuda paged attention", "dtype=x", out_of_memory, 1e-2, "v1", path)
+    assert not path.exists()
+    runs = []
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
+    assert runs == [1e-3]
+
+
+def test_a_kept_self_check_verdict_is_about_this_device_platform_mlx_and_kernel_code(monkeypatch):
+    key = self_check.fingerprint("cuda paged attention", "dtype=x", "v1", 1e-2)
+    assert self_check.fingerprint("cuda paged attention", "dtype=x", "v1", 1e-2) == key
+    assert self_check.fingerprint("cuda paged attention", "dtype=x", "v1", 1e-3) != key
+    for owner, name, other in [
+        (self_check, "_device_name", lambda: ["another", "GPU"]),
+        (self_check.platform, "platform", lambda: "another OS"),
+        (self_check, "_kernel_code", lambda: "another version of the kernels"),
+        (mx, "__version__", "0.0.1"),
+    ]:
+        with monkeypatch.context() as m:
+            m.setattr(owner, name, other)
+            assert self_check.fingerprint("cuda paged attention", "dtype=x", "v1", 1e-2) != key, name
+
+
+def test_without_a_device_name_nothing_is_kept(tmp_path, monkeypatch):
+    def unnamed():
+        raise RuntimeError("no device info on this backend")
+
+    monkeypatch.setattr(mx, "device_info", unnamed)
+    path, runs = tmp_path / "verdicts.json", []
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
+    assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
+    assert runs == [1e-3, 1e-3] and not path.exists()
+
+
+def test_the_fused_kernels_keep_their_verdicts_in_the_engine_s_file(tmp_path, monkeypatch):
+    """A fused kernel whose engine has a verdict file checks each configuration once, across instances (as
+    across processes): its attention over every variant it may choose, and its in-place write."""
+    path, runs = tmp_path / "verdicts.json", []
+    assert Engine(tiny_model("llama"), num_blocks=16, verify_model=False, verdict_file=path).kernel.verdict_file == path
+    monkeypatch.setattr(fused, "check_error", lambda *args, **kwargs: runs.append(kwargs["warps"]) or 0.0)
+    monkeypatch.setattr(InPlaceWrites, "check_error", lambda self, *dtypes: runs.append(dtypes) or 0.0)
+    pool = mx.zeros((1, 2, 16, 64), mx.float16)
+    kernel = CudaKernel()
+    kernel.verdict_file = path
+    assert kernel.usable(mx.float16, pool, pool, 8) and kernel.writes.usable(mx.float16, mx.float16, path)
+    assert runs == kernel.warp_choices(4) * 2 + [(mx.float16, mx.float16)]  # with and without a reduce pass
+
+    runs.clear()
+    again = CudaKernel()
+    again.verdict_file = path
+    assert again.usable(mx.float16, pool, pool, 8) and again.writes.usable(mx.float16, mx.float16, path)
+    assert runs == []
+    other = CudaKernel(partition_size=256)  # other settings: checked anew
+    other.verdict_file = path
+    assert other.usable(mx.float16, pool, pool, 8) and runs == kernel.warp_choices(4) * 2
+
+
+def test_a_subclass_of_a_fused_kernel_checks_itself_in_every_process(tmp_path, monkeypatch):
+    """A plugin's subclass may change what runs (its code is not in the fingerprint): it keeps no verdicts."""
+
+    class PluginKernel(CudaKernel):
+        pass
+
+    path, runs = tmp_path / "verdicts.json", []
+    monkeypatch.setattr(fused, "check_error", lambda *args, **kwargs: runs.append(kwargs["warps"]) or 0.0)
+    pool = mx.zeros((1, 2, 16, 64), mx.float16)
+    for kernel in (CudaKernel(), PluginKernel(), PluginKernel()):
+        kernel.verdict_file = path
+        assert kernel.usable(mx.float16, pool, pool, 8)
+    assert len(runs) == 3 * len(kernel.warp_choices(4)) * 2
+    assert len(json.loads(path.read_text())) == 1  # the package's own kernel's
+
+
+def test_the_latent_kernels_verdict_is_about_the_reduce_kernel_they_run_too(tmp_path, monkeypatch):
+    path, runs = tmp_path / "verdicts.json", []
+    monkeypatch.setattr(LatentKernels, "supports", lambda self, *args: True)
+    monkeypatch.setattr(LatentKernels, "check_error", lambda self, *args: runs.append(self) or 0.0)
+    pool = mx.zeros((1, 1, 16, 576), mx.bfloat16)
+    shipped = CudaKernel().latent
+    changed = CudaKernel(template=read_template() + "// a reduce kernel of another version\n")
+    assert changed.latent.reduce_source != shipped.reduce_source
+    for latent in (shipped, LatentKernels(CUDA, shipped.reduce_source), changed.latent):
+        assert latent.usable(mx.bfloat16, pool, 16, 512, path)
+    assert runs == [shipped, changed.latent]

@@ -40,9 +40,10 @@ class Engine:
     ``kv_disk_cache`` (``engine.disk``) adds a disk tier to the prefix cache:
     finished requests' full blocks are saved there and later prompts (in this or
     another process) read them back instead of computing them. ``verdict_file``
-    keeps the model check's verdicts across processes. An engine is driven from
-    one thread (MLX streams belong to the thread that made them). It adapts the
-    model in place, with the same results for mlx-lm (``models.adapt.adapt_model``).
+    keeps the verdicts of the model check and of the kernels' self-checks across
+    processes. An engine is driven from one thread (MLX streams belong to the
+    thread that made them). It adapts the model in place, with the same results
+    for mlx-lm (``models.adapt.adapt_model``).
 
     Models with recurrent layers (hybrids such as Qwen3.5) keep each running
     sequence's state beside its blocks (``models.state_cache``), counted in the
@@ -81,6 +82,7 @@ class Engine:
         policy = plugins.lookup("scheduler", plugins.schedulers(), config.scheduler)()
         swap = plugins.lookup("swap policy", plugins.swap_policies(), swap_policy)()
         self.kernel = select_kernel(config.attention_kernel)
+        self.kernel.verdict_file = verdict_file  # its self-checks are each rank's own, unlike the model check
         if config.kv_bits is not None and not self.kernel.quantized:
             raise ValueError(f"attention kernel {self.kernel.name!r} cannot read quantized K/V (kv_bits)")
         if kv_disk_cache is not None and not config.enable_prefix_caching:

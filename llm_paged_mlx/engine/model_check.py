@@ -17,7 +17,6 @@ import functools
 import hashlib
 import json
 import math
-import warnings
 from pathlib import Path
 from typing import Optional
 
@@ -27,7 +26,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
 
-from .. import files
+from .. import verdicts
 from ..kernels.dialect import source_dir
 from ..models.latent_shape import MIN_SEQUENCE_TOKENS
 from ..models.adapt import model_config
@@ -67,7 +66,7 @@ def check_against_mlx_lm(model, runner, verdict_file=None) -> None:
     memory, say) refuses the model this time and runs again next time.
     """
     key = fingerprint(model, runner)
-    stored = _read(verdict_file) if verdict_file is not None else {}
+    stored = verdicts.read(verdict_file) if verdict_file is not None else {}
     verdict = _verdicts.get(key, stored.get(key, _UNKNOWN))
     if verdict is _UNKNOWN:
         try:
@@ -75,11 +74,8 @@ def check_against_mlx_lm(model, runner, verdict_file=None) -> None:
         except _NoVerdict as e:
             raise ValueError(str(e)) from e.__cause__
     _verdicts[key] = verdict
-    if verdict_file is not None and stored.get(key, _UNKNOWN) != verdict:
-        try:
-            _write(verdict_file, {**stored, key: verdict})
-        except OSError as e:
-            warnings.warn(f"could not keep the model check's verdict in {verdict_file} ({e})", RuntimeWarning)
+    if verdict_file is not None:
+        verdicts.keep(verdict_file, key, verdict, "the model check")
     if verdict is not None:
         raise ValueError(verdict)
 
@@ -111,13 +107,10 @@ def fingerprint(model, runner) -> str:
 def _own_code() -> str:
     """A hash of this package's code that the paged path runs."""
     root = Path(__file__).resolve().parents[1]
-    digest = hashlib.sha256()
-    for path in sorted(source_dir().iterdir()):  # the kernels' sources
-        digest.update(path.name.encode() + path.read_bytes())
+    paths = sorted(source_dir().iterdir())  # the kernels' sources
     for pattern in _OWN_SOURCES:
-        for path in sorted(root.glob(pattern)):
-            digest.update(path.name.encode() + path.read_bytes())
-    return digest.hexdigest()
+        paths += sorted(root.glob(pattern))
+    return verdicts.code_hash(paths)
 
 
 def _verdict(model, runner) -> Optional[str]:
@@ -284,20 +277,3 @@ def _paged(runner, long: list[int], long_len: int, short: list[int], short_len: 
         for request in (a, b):  # what models with recurrent layers keep of them
             runner.kv.states.release(request.request_id)
     return long_rows + short_rows
-
-
-def _read(path) -> dict:
-    """The verdicts kept in ``path`` (a pass, None, or a refusal's reason); none if it is missing or unreadable."""
-    try:
-        stored = json.loads(Path(path).read_text())
-    except (OSError, ValueError, RecursionError):
-        return {}
-    if not isinstance(stored, dict):
-        return {}
-    return {key: verdict for key, verdict in stored.items() if verdict is None or isinstance(verdict, str)}
-
-
-def _write(path, verdicts: dict) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    files.write_atomically(path, json.dumps(verdicts, indent=1, sort_keys=True).encode())

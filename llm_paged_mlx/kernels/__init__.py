@@ -38,6 +38,10 @@ say it does none of this:
   ``rope.RopeSpec``) as a keyword argument: a decode step's queries and keys
   come unrotated, to be rotated at the plan's positions (``plan.rope_table``),
   or None returned, and the engine rotates them with the model's own RoPE.
+- ``verdict_file``: set by the engine to the file where its verdicts are kept
+  (or None): a kernel that checks itself at first use may keep its verdicts
+  there for later processes (``verdicts``; the fused kernels do, through
+  ``self_check.passes``).
 - ``latent_attention(queries, pool, value_dim, plan, scale)``: multi-head
   latent attention (MLA) over one pool ``(num_blocks, 1, block_size, D)``
   whose rows are the keys and whose first ``value_dim`` values are the values;

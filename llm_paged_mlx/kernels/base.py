@@ -22,6 +22,7 @@ class AttentionKernel:
     prefill_as_rows: Optional[Callable[[int, int], bool]] = None
     latent_attention: Optional[Callable] = None
     write_and_attend: Optional[Callable] = None
+    verdict_file = None  # set by the engine: where first-use self-checks keep their verdicts (None: nowhere)
 
     def is_available(self) -> bool:
         raise NotImplementedError

@@ -212,7 +212,7 @@ class FusedKernel(AttentionKernel):
             return None
         if plan.prefills and not self._all_rows(plan, k_pool):
             return None
-        if not self.usable(*features) or not self.writes.usable(k_flat.dtype, queries.dtype):
+        if not self.usable(*features) or not self.writes.usable(k_flat.dtype, queries.dtype, self._kept_verdicts()):
             return None
         rows = self.writes(k_flat, v_flat, index, keys, values, queries)
         return self(rows, k_pool, v_pool, plan, scale, **masking)
@@ -220,7 +220,7 @@ class FusedKernel(AttentionKernel):
     def latent_attention(self, queries, pool, value_dim: int, plan: AttentionPlan, scale: float):
         """MLA rows (see ``kernels``): single-query rows through ``latent.LatentKernels``, other prefill
         chunks through the portable kernel's causal attention."""
-        if not self.latent.usable(queries.dtype, pool, queries.shape[1], value_dim):
+        if not self.latent.usable(queries.dtype, pool, queries.shape[1], value_dim, self._kept_verdicts()):
             return self.portable.latent_attention(queries, pool, value_dim, plan, scale)
 
         def rows(every_row: bool):
@@ -432,6 +432,9 @@ class FusedKernel(AttentionKernel):
             config += f", kv_bits={bits}, group_size={group_size}"
         features = {"window": window, "sinks": sinks, "softcap": softcap, "new": new, "rotation": rotation}
         config += "".join(f", {name}={value}" for name, value in features.items() if value)
+        warp_choices = self.warp_choices(head_groups(rep)[1])
+        settings = (f"partition_size={self.partition_size}, warps={warp_choices}, max_slots={self.max_slots}, "
+                    f"init_value={self.init_value}")  # fmt: skip
         return self_check.passes(
             f"{self.name} paged attention",
             config,
@@ -441,10 +444,17 @@ class FusedKernel(AttentionKernel):
                     **features, warps=warps,
                 )
                 for one in (False, True)
-                for warps in self.warp_choices(head_groups(rep)[1])
+                for warps in warp_choices
             ),
             TOLERANCE[dtype],
+            source=f"{self.template}\n{settings}",
+            verdict_file=self._kept_verdicts(),
         )
+
+    def _kept_verdicts(self):
+        """The verdict file, for this package's own kernels: a subclass's code (a plugin's) is not in the
+        verdicts' fingerprints, so it checks itself in every process."""
+        return self.verdict_file if type(self) in (CudaKernel, MetalKernel) else None
 
 
 class CudaKernel(FusedKernel):

@@ -38,13 +38,15 @@ class InPlaceWrites:
         self._kernel = None
         self._checked: dict[tuple, bool] = {}
 
-    def usable(self, pool_dtype, queries_dtype) -> bool:
-        """Whether the kernel passed its self-check on this device for these dtypes."""
+    def usable(self, pool_dtype, queries_dtype, verdict_file=None) -> bool:
+        """Whether the kernel passed its self-check on this device for these dtypes (``verdict_file``: see
+        ``self_check.passes``)."""
         key = (str(mx.default_device()), pool_dtype, queries_dtype)
         if key not in self._checked:
             config = f"pools {pool_dtype}, queries {queries_dtype}"
             error = lambda: self.check_error(pool_dtype, queries_dtype)  # noqa: E731
-            self._checked[key] = self_check.passes(f"{self.dialect.name} in-place K/V write", config, error, 0.0)
+            self._checked[key] = self_check.passes(f"{self.dialect.name} in-place K/V write", config, error, 0.0,
+                                                   source=self.template, verdict_file=verdict_file)  # fmt: skip
         return self._checked[key]
 
     def __call__(self, k_pool, v_pool, index, k_rows, v_rows, queries) -> mx.array:

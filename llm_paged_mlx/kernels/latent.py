@@ -92,14 +92,14 @@ class LatentKernels:
         staged = max(tile * (dim + CHUNK), tile * (value_dim + CHUNK)) * dtype.size
         return staged + tile * (part + CHUNK) * (4 + dtype.size) + 4 * (part // block_size + 2 * tile)
 
-    def usable(self, dtype, pool, q_heads: int, value_dim: int) -> bool:
-        """Supported, and passed its self-check on this device."""
+    def usable(self, dtype, pool, q_heads: int, value_dim: int, verdict_file=None) -> bool:
+        """Supported, and passed its self-check on this device (``verdict_file``: see ``self_check.passes``)."""
         if not self.supports(dtype, pool, q_heads, value_dim):
             return False
         _, _, block_size, dim = pool.shape
         key = (str(mx.default_device()), dtype, dim, value_dim, block_size)
         if key not in self._checked:
-            self._checked[key] = self._self_check(*key[1:])
+            self._checked[key] = self._self_check(*key[1:], verdict_file)
         return self._checked[key]
 
     def decode(self, queries, pool, value_dim: int, block_tables, context_lens, params) -> mx.array:
@@ -143,13 +143,16 @@ class LatentKernels:
             )
         return self._kernels
 
-    def _self_check(self, dtype, dim: int, value_dim: int, block_size: int) -> bool:
+    def _self_check(self, dtype, dim: int, value_dim: int, block_size: int, verdict_file) -> bool:
         config = f"dtype={dtype}, row={dim}, latent={value_dim}, block_size={block_size}"
         return self_check.passes(
             f"{self.dialect.name} latent attention",
             config,
             lambda: self.check_error(dtype, dim, value_dim, block_size),
             TOLERANCE[dtype],
+            source=f"{self.template}\n{self.reduce_source}\npartition_size={self.partition_size}, warps={self.warps}, "
+            f"init_value={self.init_value}",
+            verdict_file=verdict_file,
         )
 
     def check_error(self, dtype, dim: int, value_dim: int, block_size: int, q_heads: int | None = None) -> float:
