@@ -16,7 +16,7 @@ import pytest
 
 from models import tiny_model
 
-from llm_paged_mlx import Engine, plugins
+from llm_paged_mlx import Engine, plugins, verdicts
 from llm_paged_mlx.kernels import AttentionPlan, PrefillChunk, fused, select_kernel, self_check
 from llm_paged_mlx.kernels.fused import CudaKernel, MetalKernel
 from llm_paged_mlx.kernels.dialect import CUDA, read_template
@@ -334,6 +334,7 @@ def test_a_kept_self_check_verdict_is_about_this_device_platform_mlx_and_kernel_
         (self_check, "_device_name", lambda: ["another", "GPU"]),
         (self_check.platform, "platform", lambda: "another OS"),
         (self_check, "_kernel_code", lambda: "another version of the kernels"),
+        (self_check, "_toolchain", lambda: ["nvidia-cuda-nvrtc==0.0.1"]),
         (mx, "__version__", "0.0.1"),
     ]:
         with monkeypatch.context() as m:
@@ -341,15 +342,26 @@ def test_a_kept_self_check_verdict_is_about_this_device_platform_mlx_and_kernel_
             assert self_check.fingerprint("cuda paged attention", "dtype=x", "v1", 1e-2) != key, name
 
 
-def test_without_a_device_name_nothing_is_kept(tmp_path, monkeypatch):
-    def unnamed():
-        raise RuntimeError("no device info on this backend")
+def no_device_info():
+    raise RuntimeError("no device info on this backend")
 
-    monkeypatch.setattr(mx, "device_info", unnamed)
+
+@pytest.mark.parametrize("device_info", [no_device_info, lambda: {"memory_size": 1}], ids=["error", "no name"])
+def test_without_a_device_name_nothing_is_kept(tmp_path, monkeypatch, device_info):
+    monkeypatch.setattr(mx, "device_info", device_info)
     path, runs = tmp_path / "verdicts.json", []
     assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
     assert self_check.passes("cuda paged attention", "dtype=x", measured(runs, 1e-3), 1e-2, "v1", path)
     assert runs == [1e-3, 1e-3] and not path.exists()
+
+
+def test_the_kernel_code_s_hash_leaves_out_what_is_not_a_file(tmp_path):
+    source = tmp_path / "fused.py"
+    source.write_text("code")
+    alone = verdicts.code_hash([source])
+    (tmp_path / ".#fused.py").symlink_to("an editor's lock, not a file")
+    sources = sorted(tmp_path.glob("*.py"))  # as the kernels' code is found
+    assert len(sources) == 2 and verdicts.code_hash(sources) == alone
 
 
 def test_the_fused_kernels_keep_their_verdicts_in_the_engine_s_file(tmp_path, monkeypatch):

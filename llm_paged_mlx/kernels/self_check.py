@@ -1,12 +1,13 @@
 """The verdict of a fused kernel's first-use self-check: use it, or warn and use the portable kernel.
 
 With a verdict file (``verdicts``), a verdict measured once for a kernel, its source and settings, a
-configuration, this device, this MLX and this package's kernel code is read back by later processes, so that
-each ``llm -m`` does not compile and run every variant again.
+configuration, this device, this MLX and the compilers beside it, and this package's kernel code is read back by
+later processes, so that each ``llm -m`` does not compile and run every variant again.
 """
 
 import functools
 import hashlib
+import importlib.metadata
 import json
 import platform
 import warnings
@@ -59,7 +60,8 @@ def _key(kernel: str, config: str, source: str, tolerance: float):
 
 def fingerprint(kernel: str, config: str, source: str, tolerance: float) -> str:
     """A hash of what decides a self-check's verdict: the kernel, its source and settings, the configuration,
-    the tolerance, the device, the platform, MLX's version and this package's kernel code."""
+    the tolerance, the device, the platform, MLX's version and the compilers and driver beside it, and this
+    package's kernel code."""
     facts = {
         "kernel": kernel,
         "config": config,
@@ -67,18 +69,35 @@ def fingerprint(kernel: str, config: str, source: str, tolerance: float) -> str:
         "tolerance": tolerance,
         "device": [str(mx.default_device()), *_device_name()],
         "platform": platform.platform(),
-        "versions": [mx.__version__, _kernel_code()],
+        "versions": [mx.__version__, *_toolchain(), _kernel_code()],
     }
     return "kernel " + hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()
 
 
 def _device_name() -> list[str]:
-    """The default device's architecture and name, as MLX reports them (LookupError if it does not)."""
+    """The default device's architecture and name, as MLX reports them (LookupError if it names neither)."""
     try:
         info = mx.device_info()
     except Exception as e:  # a backend that reports nothing
         raise LookupError(f"MLX names no device ({e})") from e
-    return [str(info.get("architecture")), str(info.get("device_name"))]
+    name = [str(info[field]) for field in ("architecture", "device_name") if field in info]
+    if not name:
+        raise LookupError("MLX names no device")
+    return name
+
+
+@functools.cache
+def _toolchain() -> list[str]:
+    """What builds and runs the kernels beside MLX's own version: MLX's backend packages and NVIDIA's (NVRTC among
+    them) as installed, and the NVIDIA driver where there is one. (Metal's compiler comes with the OS.)"""
+    prefixes = ("mlx-cuda", "mlx-metal", "mlx-cpu", "nvidia-")
+    names = ((d.metadata.get("Name") or "", d.version) for d in importlib.metadata.distributions())
+    packages = sorted(f"{name.lower()}=={version}" for name, version in names if name.lower().startswith(prefixes))
+    try:
+        driver = Path("/proc/driver/nvidia/version").read_text().splitlines()[:1]
+    except OSError:
+        driver = []
+    return packages + driver
 
 
 @functools.cache
