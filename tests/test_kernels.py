@@ -391,7 +391,7 @@ def test_a_subclass_of_a_fused_kernel_checks_itself_in_every_process(tmp_path, m
     """A plugin's subclass may change what runs (its code is not in the fingerprint): it keeps no verdicts."""
 
     class PluginKernel(CudaKernel):
-        pass
+        """A plugin's kernel: the built-in code, under a class of its own."""
 
     path, runs = tmp_path / "verdicts.json", []
     monkeypatch.setattr(fused, "check_error", lambda *args, **kwargs: runs.append(kwargs["warps"]) or 0.0)
